@@ -1,0 +1,213 @@
+"""Attention over the paged KV cache: the one place a kernel plugs in.
+
+Layout of the cache (`KVCache`): for each of K and V one array
+
+    [layers, kv_heads, num_pages, page_size, head_dim]
+
+Page 0 is the dummy page: padding tokens write there and padded page-table entries point there, so
+no real page is ever touched by padding. A sequence's token at position p lives in page
+`page_table[p // page_size]`, slot `p % page_size`.
+
+A step is a tuple of sub-batches (`SubBatch`), each padded to its own `[B, T]` bucket: a prefill
+chunk batch and a decode batch (T = 1) can run in one compiled step. Tokens of all sub-batches are
+flattened to one axis `n` for the matmuls; attention runs per sub-batch.
+
+Writes happen before reads, so a prefill chunk attends to the pages its earlier chunks wrote and to
+itself; decode is the T = 1 case of the same code.
+
+`paged_attention` is the portable gather-based implementation (CPU and GPU). `dense_attention` is
+the reference that tests compare it with. Neither knows about batching policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+# Finite, so fully masked rows (padding) give uniform weights instead of NaN.
+MASK_VALUE = -1e30
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    k: jax.Array  # [L, K, P, S, h]
+    v: jax.Array  # [L, K, P, S, h]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[3]
+
+
+def init_kv_cache(*, num_layers: int, num_kv_heads: int, num_pages: int, page_size: int,
+                  head_dim: int, dtype) -> KVCache:
+    shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SubBatch:
+    """B sequences with T new tokens each, padded. All int32.
+
+    tokens      [B, T]  new token ids (padding: 0)
+    positions   [B, T]  absolute position of each new token (padding: 0)
+    num_new     [B]     real new tokens per row; 0 for a padding row
+    kv_lens     [B]     context length after this step (cached + new); 0 for padding
+    page_table  [B, M]  pages of each sequence; entries past its length are 0 (the dummy)
+    targets     [B, T]  next-token ids whose logprobs to return, or None (prompt logprobs)
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    num_new: jax.Array
+    kv_lens: jax.Array
+    page_table: jax.Array
+    targets: jax.Array | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.tokens.shape
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMeta:
+    """What every layer needs about a step, computed once per step outside the layer scan."""
+
+    write_slots: jax.Array  # [N] flat slot (page * page_size + offset) of each new token
+    masks: tuple[jax.Array, ...]  # per sub-batch [B, T, M * page_size] bool
+    page_tables: tuple[jax.Array, ...]  # per sub-batch [B, M]
+
+
+def attention_meta(batches: tuple[SubBatch, ...], page_size: int) -> AttentionMeta:
+    slots = [_write_slots(b, page_size).reshape(-1) for b in batches]
+    return AttentionMeta(
+        write_slots=jnp.concatenate(slots),
+        masks=tuple(_paged_mask(b, page_size) for b in batches),
+        page_tables=tuple(b.page_table for b in batches),
+    )
+
+
+def _write_slots(b: SubBatch, page_size: int) -> jax.Array:
+    t = jnp.arange(b.tokens.shape[1])
+    is_real = t[None, :] < b.num_new[:, None]  # [B, T]
+    page = jnp.take_along_axis(b.page_table, b.positions // page_size, axis=1, mode="clip")
+    slot = page * page_size + b.positions % page_size
+    return jnp.where(is_real, slot, 0)
+
+
+def _paged_mask(b: SubBatch, page_size: int) -> jax.Array:
+    key_pos = jnp.arange(b.page_table.shape[1] * page_size)  # [S]
+    causal = key_pos[None, None, :] <= b.positions[:, :, None]  # [B, T, S]
+    in_context = key_pos[None, None, :] < b.kv_lens[:, None, None]
+    return causal & in_context
+
+
+def write_kv(cache_k: jax.Array, cache_v: jax.Array, layer: jax.Array, k: jax.Array,
+             v: jax.Array, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Scatters new k/v [N, K, h] into layer `layer` of the caches at flat slots [N]."""
+    page_size = cache_k.shape[3]
+    pages, offsets = slots // page_size, slots % page_size
+    # Index (layer, :, pages, offsets): the advanced indices lead, so the update is [N, K, h].
+    new_k = cache_k.at[layer, :, pages, offsets].set(k, mode="promise_in_bounds")
+    new_v = cache_v.at[layer, :, pages, offsets].set(v, mode="promise_in_bounds")
+    return new_k, new_v
+
+
+def paged_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: jax.Array,
+                    page_table: jax.Array, mask: jax.Array) -> jax.Array:
+    """q [B, T, H, h] over the pages of `page_table` [B, M]; mask [B, T, M*S]. -> [B, T, H, h]."""
+    k = _gather_pages(cache_k, layer, page_table)  # [B, K, M*S, h]
+    v = _gather_pages(cache_v, layer, page_table)
+    return _masked_attention(q, k, v, mask)
+
+
+def _gather_pages(cache: jax.Array, layer: jax.Array, page_table: jax.Array) -> jax.Array:
+    pages = cache[layer, :, page_table]  # one gather: [B, M, K, S, h]
+    batch, num_slots, kv_heads, page_size, head_dim = pages.shape
+    pages = pages.transpose(0, 2, 1, 3, 4)  # [B, K, M, S, h]
+    return pages.reshape(batch, kv_heads, num_slots * page_size, head_dim)
+
+
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Reference attention. q [B, T, H, h]; k, v [B, S, K, h]; mask [B, T, S]."""
+    return _masked_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask)
+
+
+def _masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """q [B, T, H, h]; k, v [B, K, S, h]; mask [B, T, S] -> [B, T, H, h]."""
+    batch, tokens, num_heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    q = q.reshape(batch, tokens, kv_heads, num_heads // kv_heads, head_dim)  # [B, T, K, G, h]
+    scores = jnp.einsum("btkgh,bksh->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (head_dim ** -0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
+    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bksh->btkgh", weights, v, preferred_element_type=jnp.float32)
+    return out.reshape(batch, tokens, num_heads, head_dim).astype(q.dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedContext:
+    """What attention reads and writes in a paged step: the caches and the step's metadata."""
+
+    k: jax.Array
+    v: jax.Array
+    meta: AttentionMeta
+    shapes: tuple[tuple[int, int], ...] = dataclasses.field(metadata=dict(static=True))
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array,
+               layer: jax.Array) -> tuple[jax.Array, "PagedContext"]:
+        """q [N, H, h], k/v [N, K, h] of all sub-batches, flattened -> [N, H, h]."""
+        cache_k, cache_v = write_kv(self.k, self.v, layer, k, v, self.meta.write_slots)
+        outs = []
+        for (b, t), q_sub, table, mask in zip(self.shapes, _split_rows(q, self.shapes),
+                                              self.meta.page_tables, self.meta.masks):
+            out = paged_attention(q_sub.reshape(b, t, *q.shape[1:]), cache_k, cache_v, layer,
+                                  table, mask)
+            outs.append(out.reshape(b * t, *q.shape[1:]))
+        return jnp.concatenate(outs), dataclasses.replace(self, k=cache_k, v=cache_v)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DenseContext:
+    """Full causal attention over one padded batch, with no cache: the reference path."""
+
+    mask: jax.Array  # [B, T, T]
+    shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array,
+               layer: jax.Array) -> tuple[jax.Array, "DenseContext"]:
+        del layer
+        b, t = self.shape
+        out = dense_attention(q.reshape(b, t, *q.shape[1:]), k.reshape(b, t, *k.shape[1:]),
+                              v.reshape(b, t, *v.shape[1:]), self.mask)
+        return out.reshape(q.shape), self
+
+
+def paged_context(cache: KVCache, batches: tuple[SubBatch, ...]) -> PagedContext:
+    return PagedContext(k=cache.k, v=cache.v, meta=attention_meta(batches, cache.page_size),
+                        shapes=tuple(b.shape for b in batches))
+
+
+def dense_context(lengths: jax.Array, num_tokens: int) -> DenseContext:
+    """Causal mask for B rows padded to `num_tokens`, each with its real length."""
+    pos = jnp.arange(num_tokens)
+    causal = pos[None, :, None] >= pos[None, None, :]
+    real = pos[None, None, :] < lengths[:, None, None]
+    return DenseContext(mask=causal & real, shape=(lengths.shape[0], num_tokens))
+
+
+def _split_rows(x: jax.Array, shapes: tuple[tuple[int, int], ...]) -> list[jax.Array]:
+    sizes = [b * t for b, t in shapes]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [x[o:o + n] for o, n in zip(offsets, sizes)]

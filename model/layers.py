@@ -1,0 +1,154 @@
+"""Building blocks of the transformer: weights with logical axes, norms, embeddings and RoPE.
+
+Every weight is declared once, by `param`, with its shape and its logical axes side by side. The
+axis names are the vocabulary that `meshserve.sharding` maps onto mesh axes:
+
+    layers    the stacked layer axis (pipeline stages split it)
+    embed     the model width D
+    heads     query heads H        kv_heads   key/value heads K
+    head_dim  per-head width h     ffw        MLP width F
+    vocab     vocabulary V         positions  learned position table (GPT-2)
+    qkv       the fused q/k/v selector of GPT-2 (size 3)
+
+Modules here know only shapes. Nothing in this file decides placement or batching.
+
+Einsum letters used throughout model/: b batch, t tokens of a sequence, n flattened tokens of a
+step, d embed, f ffw, v vocab, k kv heads, g query heads per kv head, q/h heads and head_dim,
+s key positions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from meshserve.model.config import ModelConfig, RopeScaling
+
+
+def normal_init(stddev: float):
+    def init(key, shape, dtype):
+        return (stddev * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+    return init
+
+
+def constant_init(value: float):
+    def init(key, shape, dtype):
+        del key
+        return jnp.full(shape, value, dtype)
+
+    return init
+
+
+def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], *,
+          dtype: str, init=normal_init(0.02), stack: tuple[int, ...] = ()) -> nnx.Param:
+    """One weight: its shape and logical axes, with an optional leading stack of layers."""
+    assert len(shape) == len(axes), (shape, axes)
+    full_shape = stack + shape
+    full_axes = ("layers",) * len(stack) + axes
+    return nnx.Param(init(rngs.params(), full_shape, jnp.dtype(dtype)), axes=full_axes)
+
+
+class Dense(nnx.Module):
+    """A weight applied by one einsum, with an optional bias over the output axes."""
+
+    def __init__(self, spec: str, shape: tuple[int, ...], axes: tuple[str, ...], *,
+                 bias_dims: int = 0, dtype: str, rngs: nnx.Rngs, stack: tuple[int, ...] = (),
+                 init=normal_init(0.02)):
+        self.spec = spec
+        self.kernel = param(rngs, shape, axes, dtype=dtype, init=init, stack=stack)
+        self.bias = param(rngs, shape[-bias_dims:], axes[-bias_dims:], dtype=dtype,
+                          init=constant_init(0.0), stack=stack) if bias_dims else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.einsum(self.spec, x, self.kernel[...])
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, *, eps: float, dtype: str, rngs: nnx.Rngs,
+                 stack: tuple[int, ...] = ()):
+        self.eps = eps
+        self.scale = param(rngs, (dim,), ("embed",), dtype=dtype, init=constant_init(1.0),
+                           stack=stack)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, dim: int, *, eps: float, dtype: str, rngs: nnx.Rngs,
+                 stack: tuple[int, ...] = ()):
+        self.eps = eps
+        self.scale = param(rngs, (dim,), ("embed",), dtype=dtype, init=constant_init(1.0),
+                           stack=stack)
+        self.bias = param(rngs, (dim,), ("embed",), dtype=dtype, init=constant_init(0.0),
+                          stack=stack)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        y = y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
+        return y.astype(x.dtype)
+
+
+class Embed(nnx.Module):
+    def __init__(self, num_embeddings: int, dim: int, axes: tuple[str, str], *, dtype: str,
+                 rngs: nnx.Rngs, init=normal_init(0.02)):
+        self.embedding = param(rngs, (num_embeddings, dim), axes, dtype=dtype, init=init)
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], ids, axis=0)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        """The tied output projection: x [..., D] -> logits [..., V]."""
+        return jnp.einsum("...d,vd->...v", x, self.embedding[...])
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
+    """Inverse frequencies [h/2] of HF's rotary embedding, with its scaling rules."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    return inv_freq
+
+
+def _llama3_inv_freq(inv_freq: np.ndarray, s: RopeScaling) -> np.ndarray:
+    # Long wavelengths are slowed by `factor`, short ones kept, and the band between blended.
+    old_len = s.original_max_position_embeddings
+    low_wavelen = old_len / s.low_freq_factor
+    high_wavelen = old_len / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(is_medium, blended, scaled)
+
+
+def rope_tables(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [..., h/2] in float32 for the given integer positions."""
+    inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """HF rotate_half rotary embedding. x [N, heads, h]; cos/sin [N, h/2]."""
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)

@@ -1,0 +1,447 @@
+"""Text <-> token ids, chat templating and streaming detokenization.
+
+`Tokenizer` wraps a HF `tokenizers.Tokenizer` built either from a `tokenizer.json` (plus the
+`tokenizer_config.json` beside it) or from the tokenizer metadata inside a GGUF file.
+
+Invariants:
+
+* `encode` adds BOS only when the model asks for it (GGUF `tokenizer.ggml.add_bos_token`, or the
+  post-processor of a `tokenizer.json`); special tokens written in the text, such as
+  `<|im_start|>`, always encode to their single id.
+* A GGUF byte-level BPE tokenizer is rebuilt to match the model's original `tokenizer.json`,
+  including its pre-tokenizer (chosen by `tokenizer.ggml.pre`); unknown variants are refused
+  rather than guessed.
+* `eos_token_ids` always contains the EOS id first, followed by any end-of-turn token the chat
+  template emits (e.g. `<|im_end|>`), so generation stops at the end of an assistant turn.
+* `apply_chat_template` renders the Jinja template the way HF transformers does: sandboxed,
+  `trim_blocks` and `lstrip_blocks`, with `raise_exception`, `strftime_now` and `tojson`.
+* `IncrementalDecoder` never returns a partial UTF-8 character, and the concatenation of its
+  deltas (including `flush()`) equals `Tokenizer.decode` of all ids it was fed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from functools import lru_cache, partial
+from pathlib import Path
+from typing import Any
+
+import gguf
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as BackendTokenizer
+
+REPLACEMENT_CHAR = "\ufffd"
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+END_OF_TURN_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpecialTokens:
+    """The ids a caller needs to frame and stop generation."""
+
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int | None
+
+
+def byte_level_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
+    """GPT-2 style: the GPT-2 split regex, then bytes mapped to printable characters."""
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+
+
+def digits_then_byte_level() -> pre_tokenizers.PreTokenizer:
+    """SmolLM: every digit on its own, then GPT-2 style byte-level splitting."""
+    return pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), byte_level_pre_tokenizer()]
+    )
+
+
+def split_then_byte_level(pattern: str) -> pre_tokenizers.PreTokenizer:
+    """Llama-3 / Qwen2 style: a model-specific split regex, then bytes without the GPT-2 regex."""
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
+        ]
+    )
+
+
+PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
+    "default": byte_level_pre_tokenizer,
+    "gpt2": byte_level_pre_tokenizer,
+    "smollm": digits_then_byte_level,
+    "llama-bpe": partial(split_then_byte_level, LLAMA3_SPLIT),
+    "llama3": partial(split_then_byte_level, LLAMA3_SPLIT),
+    "llama-v3": partial(split_then_byte_level, LLAMA3_SPLIT),
+    "qwen2": partial(split_then_byte_level, QWEN2_SPLIT),
+}
+
+
+def gguf_pre_tokenizer(pre_type: str | None) -> pre_tokenizers.PreTokenizer:
+    """The pre-tokenizer for a GGUF `tokenizer.ggml.pre` value (missing means "default")."""
+    builder = PRE_TOKENIZERS.get(pre_type or "default")
+    if builder is None:
+        raise ValueError(
+            f"GGUF tokenizer.ggml.pre {pre_type!r} is not supported; supported values are "
+            f"{', '.join(sorted(PRE_TOKENIZERS))}. Use a model whose GGUF declares one of these, "
+            "or load its tokenizer.json with Tokenizer.from_file."
+        )
+    return builder()
+
+
+def read_gguf_tokenizer_fields(path: str | Path) -> dict[str, Any]:
+    """The `tokenizer.*` metadata of a GGUF file, decoded to Python values (tensors untouched)."""
+    reader = gguf.GGUFReader(path)
+    return {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
+
+
+def required_field(fields: Mapping[str, Any], key: str, path: str | Path) -> Any:
+    """A metadata value that a byte-level BPE tokenizer cannot be built without."""
+    if key not in fields:
+        raise ValueError(
+            f"GGUF file {path} has no {key} metadata; it cannot be used as a byte-level BPE tokenizer."
+        )
+    return fields[key]
+
+
+def split_merge(merge: str) -> tuple[str, str]:
+    """A GGUF merge rule "left right" as the pair the BPE model expects."""
+    left, separator, right = merge.partition(" ")
+    if not separator or not left or not right:
+        raise ValueError(f"GGUF merge rule {merge!r} is not of the form 'left right'.")
+    return left, right
+
+
+def byte_level_bpe(tokens: Sequence[str], merges: Iterable[str]) -> BackendTokenizer:
+    """A byte-level BPE tokenizer from a GGUF vocabulary and merge list, without special tokens."""
+    vocab = {token: index for index, token in enumerate(tokens)}
+    bpe = models.BPE(vocab=vocab, merges=[split_merge(merge) for merge in merges], fuse_unk=False)
+    backend = BackendTokenizer(bpe)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def add_gguf_added_tokens(
+    backend: BackendTokenizer, tokens: Sequence[str], token_types: Sequence[int]
+) -> None:
+    """Make control tokens special and user-defined tokens atomic, so neither is split by BPE.
+
+    User-defined tokens (like `<think>`) are matched whole but are not special: decode keeps
+    them, as HF transformers and llama.cpp do.
+    """
+    typed = list(zip(tokens, token_types))
+    control = [
+        AddedToken(t, special=True, normalized=False) for t, kind in typed if kind == TOKEN_TYPE_CONTROL
+    ]
+    user = [
+        AddedToken(t, special=False, normalized=False) for t, kind in typed if kind == TOKEN_TYPE_USER_DEFINED
+    ]
+    backend.add_special_tokens(control)
+    backend.add_tokens(user)
+
+
+def bos_post_processor(bos_token: str, bos_token_id: int) -> processors.PostProcessor:
+    """A post-processor that puts BOS in front of every encoded sequence."""
+    return processors.TemplateProcessing(
+        single=f"{bos_token}:0 $A:0",
+        pair=f"{bos_token}:0 $A:0 {bos_token}:1 $B:1",
+        special_tokens=[(bos_token, bos_token_id)],
+    )
+
+
+def end_token_ids(
+    backend: BackendTokenizer, eos_ids: Iterable[int | None], chat_template: str | None
+) -> tuple[int, ...]:
+    """The given EOS ids, then the ids of end-of-turn markers the chat template emits, deduplicated."""
+    found = [token_id for token_id in eos_ids if token_id is not None]
+    for marker in END_OF_TURN_MARKERS:
+        marker_id = backend.token_to_id(marker)
+        if chat_template and marker in chat_template and marker_id is not None:
+            found.append(marker_id)
+    return tuple(dict.fromkeys(found))
+
+
+def token_content(value: Any) -> str | None:
+    """A token as `tokenizer_config.json` writes it: a string or an AddedToken-style dict."""
+    if isinstance(value, Mapping):
+        return value.get("content")
+    return value
+
+
+def config_token_id(backend: BackendTokenizer, config: Mapping[str, Any], key: str) -> int | None:
+    """The id of the token `config[key]` names, or None when the config does not name one."""
+    token = token_content(config.get(key))
+    if token is None:
+        return None
+    token_id = backend.token_to_id(token)
+    if token_id is None:
+        raise ValueError(
+            f"tokenizer_config {key} is {token!r}, which is not in the tokenizer's vocabulary; "
+            "fix the config."
+        )
+    return token_id
+
+
+def config_chat_template(config: Mapping[str, Any]) -> str | None:
+    """The default chat template from `tokenizer_config.json` (a string, or a list of named ones)."""
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {entry.get("name"): entry.get("template") for entry in template}
+        return named.get("default")
+    return template
+
+
+def sibling_tokenizer_config(tokenizer_json: Path) -> dict[str, Any]:
+    """`tokenizer_config.json` next to a `tokenizer.json`, or {} if there is none."""
+    config_path = tokenizer_json.with_name("tokenizer_config.json")
+    if not config_path.is_file():
+        return {}
+    return json.loads(config_path.read_text(encoding="utf-8"))
+
+
+def sibling_chat_template(tokenizer_json: Path) -> str | None:
+    """A `chat_template.jinja` next to a `tokenizer.json`, as newer HF checkpoints ship it."""
+    template_path = tokenizer_json.with_name("chat_template.jinja")
+    return template_path.read_text(encoding="utf-8") if template_path.is_file() else None
+
+
+def raise_template_exception(message: str) -> None:
+    """The `raise_exception` helper chat templates call to reject a conversation."""
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def template_tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """`tojson` as HF defines it for chat templates: plain JSON, no HTML escaping."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def strftime_now(format: str) -> str:
+    """The current local time, for templates that print today's date."""
+    return datetime.now().strftime(format)
+
+
+@lru_cache(maxsize=16)
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template in the sandboxed environment HF transformers uses."""
+    environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    environment.filters["tojson"] = template_tojson
+    environment.globals["raise_exception"] = raise_template_exception
+    environment.globals["strftime_now"] = strftime_now
+    return environment.from_string(source)
+
+
+def validate_messages(messages: Any) -> None:
+    """Fail unless `messages` is a non-empty list of dicts with string `role` and `content`."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': str, 'content': str} dicts.")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(
+                f"messages[{index}] must be a dict with 'role' and 'content', got {type(message).__name__}."
+            )
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise ValueError(
+                    f"messages[{index}][{key!r}] must be a string, got {type(message.get(key)).__name__}."
+                )
+
+
+class Tokenizer:
+    """A model's tokenizer: encode, decode, special ids and chat template."""
+
+    def __init__(
+        self, backend: BackendTokenizer, *, special: SpecialTokens, chat_template: str | None
+    ) -> None:
+        self._backend = backend
+        self._special = special
+        self._chat_template = chat_template
+
+    @classmethod
+    def from_file(cls, path: str | Path, tokenizer_config: Mapping[str, Any] | None = None) -> Tokenizer:
+        """Load a HF `tokenizer.json`; special tokens and chat template come from `tokenizer_config`,
+        or from the `tokenizer_config.json` (and `chat_template.jinja`) beside it when not given."""
+        path = Path(path)
+        backend = BackendTokenizer.from_file(str(path))
+        config = dict(tokenizer_config) if tokenizer_config is not None else sibling_tokenizer_config(path)
+        chat_template = config_chat_template(config) or sibling_chat_template(path)
+        special = SpecialTokens(
+            bos_token_id=config_token_id(backend, config, "bos_token"),
+            eos_token_ids=end_token_ids(
+                backend, [config_token_id(backend, config, "eos_token")], chat_template
+            ),
+            pad_token_id=config_token_id(backend, config, "pad_token"),
+        )
+        return cls(backend, special=special, chat_template=chat_template)
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        """Build the tokenizer described by a GGUF file's `tokenizer.*` metadata."""
+        fields = read_gguf_tokenizer_fields(path)
+        model_type = fields.get("tokenizer.ggml.model")
+        if model_type != "gpt2":
+            raise ValueError(
+                f"GGUF file {path} has tokenizer.ggml.model {model_type!r}; only 'gpt2' (byte-level BPE) "
+                "is supported. Load the model's tokenizer.json with Tokenizer.from_file instead."
+            )
+        backend = gguf_backend(fields, path)
+        chat_template = fields.get("tokenizer.chat_template")
+        eos_ids = [fields.get("tokenizer.ggml.eos_token_id"), fields.get("tokenizer.ggml.eot_token_id")]
+        special = SpecialTokens(
+            bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=end_token_ids(backend, eos_ids, chat_template),
+            pad_token_id=fields.get("tokenizer.ggml.padding_token_id"),
+        )
+        return cls(backend, special=special, chat_template=chat_template)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._special.bos_token_id
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Ids that end generation: EOS first, then end-of-turn markers."""
+        return self._special.eos_token_ids
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._special.pad_token_id
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._backend.id_to_token(token_id)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids for `text`; `add_special_tokens` controls only the BOS the model may want."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects a str, got {type(text).__name__}.")
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
+        """Text for `ids`; special tokens are dropped unless `skip_special_tokens` is False."""
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+        """Render `messages` with the model's chat template, as HF transformers would."""
+        if not self._chat_template:
+            raise ValueError(
+                "This tokenizer has no chat template; use a model that ships one "
+                "(tokenizer.chat_template in the GGUF, or chat_template in tokenizer_config.json), "
+                "or encode a plain prompt instead."
+            )
+        validate_messages(messages)
+        template = compile_chat_template(self._chat_template)
+        try:
+            return template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self._template_tokens()
+            )
+        except jinja2.exceptions.TemplateError as error:
+            raise ValueError(f"The chat template rejected these messages: {error}") from error
+
+    def _template_tokens(self) -> dict[str, str | None]:
+        """The special-token variables a chat template may reference."""
+        eos_id = self.eos_token_ids[0] if self.eos_token_ids else None
+        return {
+            "bos_token": self._token_or_none(self.bos_token_id),
+            "eos_token": self._token_or_none(eos_id),
+            "pad_token": self._token_or_none(self.pad_token_id),
+        }
+
+    def _token_or_none(self, token_id: int | None) -> str | None:
+        return None if token_id is None else self._backend.id_to_token(token_id)
+
+
+def gguf_backend(fields: Mapping[str, Any], path: str | Path) -> BackendTokenizer:
+    """The `tokenizers` backend for a GGUF byte-level BPE vocabulary."""
+    tokens = required_field(fields, "tokenizer.ggml.tokens", path)
+    backend = byte_level_bpe(tokens, required_field(fields, "tokenizer.ggml.merges", path))
+    backend.pre_tokenizer = gguf_pre_tokenizer(fields.get("tokenizer.ggml.pre"))
+    add_gguf_added_tokens(backend, tokens, fields.get("tokenizer.ggml.token_type") or ())
+    bos_id = fields.get("tokenizer.ggml.bos_token_id")
+    if fields.get("tokenizer.ggml.add_bos_token", False) and bos_id is not None:
+        backend.post_processor = bos_post_processor(tokens[bos_id], bos_id)
+    return backend
+
+
+class IncrementalDecoder:
+    """Turns a stream of token ids into text deltas that never split a UTF-8 character.
+
+    It keeps two offsets into the ids seen so far: text up to `read_offset` has been emitted, and
+    decoding restarts from `prefix_offset` so that context-dependent decoders (leading spaces)
+    render the new tokens as they would in the full sequence. A delta is emitted only once the
+    decoded window grows and does not end in U+FFFD, i.e. once its bytes form whole characters.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return tuple(self._ids)
+
+    def add(self, token_id: int) -> str:
+        """Feed one id; return the text it completes (often "", while a character is unfinished)."""
+        self._ids.append(token_id)
+        prefix_text, window_text = self._window_texts()
+        if len(window_text) <= len(prefix_text) or window_text.endswith(REPLACEMENT_CHAR):
+            return ""
+        return self._advance(window_text[len(prefix_text) :])
+
+    def flush(self) -> str:
+        """Return whatever is held back, unfinished bytes included (as U+FFFD), at end of stream."""
+        if self._read_offset == len(self._ids):
+            return ""
+        prefix_text, window_text = self._window_texts()
+        return self._advance(window_text[len(prefix_text) :])
+
+    def _window_texts(self) -> tuple[str, str]:
+        """Decoded text of [prefix_offset, read_offset) and of [prefix_offset, end)."""
+        prefix = self._ids[self._prefix_offset : self._read_offset]
+        window = self._ids[self._prefix_offset :]
+        decode = partial(self._tokenizer.decode, skip_special_tokens=self._skip_special_tokens)
+        return decode(prefix), decode(window)
+
+    def _advance(self, delta: str) -> str:
+        """Mark everything fed so far as emitted and return `delta`."""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return delta

@@ -1,0 +1,48 @@
+"""Shared fixtures. Fake CPU devices must be requested before jax is first imported."""
+
+import os
+
+_FLAG = "--xla_force_host_platform_device_count=8"
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+@pytest.fixture(scope="session")
+def golden_dir() -> Path:
+    return GOLDEN
+
+
+@pytest.fixture(scope="session")
+def smollm2_files():
+    from meshserve.model.hub import resolve_model
+
+    return resolve_model("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_files):
+    """(config, model, tokenizer) of the real SmolLM2-135M-Instruct, in float32."""
+    from meshserve.model.pretrained import load_pretrained
+
+    pretrained = load_pretrained(str(smollm2_files.path))
+    return pretrained
+
+
+def random_params(config, *, seed: int = 0, scale: float = 0.12) -> dict[str, np.ndarray]:
+    """Random weights large enough that logits differ clearly between tokens."""
+    from meshserve.model.transformer import abstract_model, param_paths
+
+    rng = np.random.default_rng(seed)
+    params = {}
+    for key, shape in param_paths(abstract_model(config)).items():
+        noise = rng.standard_normal(shape).astype(np.float32)
+        is_norm = "norm" in key
+        params[key] = 1.0 + 0.1 * noise if is_norm and key.endswith("scale") else scale * noise
+    return params

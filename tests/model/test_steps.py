@@ -1,0 +1,138 @@
+"""The paged steps against full recomputation, and the compile-once guarantee of the runner."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from meshserve.batching.plan import sub_batch_from_rows
+from meshserve.model.attention import init_kv_cache
+from meshserve.model.config import ModelConfig
+from meshserve.model.runner import CompileCounter, ModelRunner, RunnerConfig, pad_sub_batch
+from meshserve.model.steps import forward_dense, forward_step
+from meshserve.model.transformer import model_from_params
+from tests.conftest import random_params
+
+
+def _model(preset):
+    config = ModelConfig.preset(preset)
+    return model_from_params(config, random_params(config))
+
+
+class PagedStepper:
+    """Runs forward_step on plans built from (tokens, cached, pages) rows."""
+
+    def __init__(self, model, *, page_size, num_pages):
+        c = model.config
+        self.page_size = page_size
+        self.graphdef, self.params = nnx.split(model)
+        self.cache = init_kv_cache(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
+                                   num_pages=num_pages, page_size=page_size,
+                                   head_dim=c.head_dim, dtype=jnp.float32)
+        self.step = jax.jit(functools.partial(forward_step, self.graphdef), donate_argnums=(1,))
+
+    def run(self, *sub_batches):
+        batches = []
+        for rows, targets in sub_batches:
+            plan = sub_batch_from_rows(rows, page_size=self.page_size, targets=targets)
+            batches.append(pad_sub_batch(plan, (plan.num_rows + 1, plan.tokens.shape[1],
+                                                plan.page_table.shape[1] + 1)))
+        outputs, self.cache = self.step(self.params, self.cache, tuple(batches))
+        return outputs
+
+    def dense(self, tokens):
+        tokens = np.asarray(tokens, np.int32)
+        lengths = jnp.full((tokens.shape[0],), tokens.shape[1])
+        return np.asarray(forward_dense(self.graphdef, self.params, jnp.asarray(tokens), lengths))
+
+
+def _pages(rng, num_rows, pages_each, num_pages):
+    ids = rng.permutation(np.arange(1, num_pages))[: num_rows * pages_each]
+    return [list(ids[i * pages_each:(i + 1) * pages_each]) for i in range(num_rows)]
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])
+@pytest.mark.parametrize("page_size", [1, 8, 16])
+def test_chunked_prefill_then_decode_equals_dense(preset, page_size):
+    rng = np.random.default_rng(page_size)
+    model = _model(preset)
+    seq_len, chunk = 45, 16
+    tokens = rng.integers(0, model.config.vocab_size, (2, seq_len))
+    pages_each = -(-seq_len // page_size)
+    stepper = PagedStepper(model, page_size=page_size, num_pages=1 + 2 * pages_each + 3)
+    pages = _pages(rng, 2, pages_each, 1 + 2 * pages_each)
+    dense = stepper.dense(tokens)
+    prompt_len = 37  # prefill in chunks of 16, 16, 5; then decode one token at a time
+    for start in range(0, prompt_len, chunk):
+        end = min(start + chunk, prompt_len)
+        (out,) = stepper.run(([(tokens[r, start:end], start, pages[r]) for r in range(2)], None))
+        np.testing.assert_allclose(out.logits[:2], dense[:, end - 1], atol=1e-5, rtol=1e-5)
+    for pos in range(prompt_len, seq_len):
+        (out,) = stepper.run(([(tokens[r, pos:pos + 1], pos, pages[r]) for r in range(2)], None))
+        np.testing.assert_allclose(out.logits[:2], dense[:, pos], atol=1e-5, rtol=1e-5)
+
+
+def test_mixed_prefill_and_decode_in_one_step_equal_separate_steps():
+    rng = np.random.default_rng(0)
+    model = _model("tiny-llama")
+    tokens = rng.integers(0, model.config.vocab_size, (2, 30))
+    dense = PagedStepper(model, page_size=4, num_pages=20).dense(tokens)
+    stepper = PagedStepper(model, page_size=4, num_pages=20)
+    pages = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]
+    stepper.run(([(tokens[0, :20], 0, pages[0])], None))  # row 0 is decoding by now
+    prefill, decode = stepper.run(
+        ([(tokens[1, :12], 0, pages[1])], None),  # row 1: first prefill chunk
+        ([(tokens[0, 20:21], 20, pages[0])], None),  # row 0: one decode token
+    )
+    np.testing.assert_allclose(prefill.logits[0], dense[1, 11], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(decode.logits[0], dense[0, 20], atol=1e-5, rtol=1e-5)
+    (after,) = stepper.run(([(tokens[1, 12:13], 12, pages[1])], None))
+    np.testing.assert_allclose(after.logits[0], dense[1, 12], atol=1e-5, rtol=1e-5)
+
+
+def test_prompt_logprobs_match_dense_log_softmax():
+    rng = np.random.default_rng(1)
+    model = _model("tiny-gpt2")
+    tokens = rng.integers(0, model.config.vocab_size, (1, 21))
+    stepper = PagedStepper(model, page_size=8, num_pages=8)
+    (out,) = stepper.run(([(tokens[0, :20], 0, [3, 5, 7])], [tokens[0, 1:21]]))
+    dense = stepper.dense(tokens[:, :20])[0]
+    want = jax.nn.log_softmax(dense, axis=-1)[np.arange(20), tokens[0, 1:21]]
+    np.testing.assert_allclose(out.prompt_logprobs[0, :20], want, atol=1e-5, rtol=1e-5)
+
+
+def test_runner_compiles_once_per_bucket():
+    runner = ModelRunner(_model("tiny-llama"), RunnerConfig(
+        num_pages=32, page_size=4, max_rows=4, max_tokens=32, max_pages_per_seq=8))
+    plan = lambda n, cached: sub_batch_from_rows(  # noqa: E731
+        [([1] * n, cached, [1, 2, 3, 4])], page_size=4)
+    runner.execute([plan(5, 0)])
+    with CompileCounter() as same_bucket:
+        runner.execute([plan(9, 5)])  # 9 tokens pads to the same 16-token bucket as 5
+        runner.execute([plan(1, 14)])
+        runner.execute([plan(1, 14)])
+    with CompileCounter() as new_bucket:
+        runner.execute([plan(1, 14)] * 3)  # three rows: a new row bucket
+    assert same_bucket.count == 1  # only the first decode shape
+    assert new_bucket.count == 1
+
+
+def test_padding_rows_do_not_disturb_real_rows():
+    model = _model("tiny-llama")
+    config = RunnerConfig(num_pages=16, page_size=4, max_rows=8, max_tokens=16,
+                          max_pages_per_seq=4)
+    alone, padded = ModelRunner(model, config), ModelRunner(model, config)
+    rows = [([5, 6, 7], 0, [2, 3])]
+    plan = sub_batch_from_rows(rows, page_size=4)
+    (want,) = alone.execute([plan])
+    (got,) = padded.execute([sub_batch_from_rows(rows * 1, page_size=4)])
+    assert padded.padded_shape(plan) == (1, 16, 4)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    three = sub_batch_from_rows(rows + [([8], 0, [4]), ([9, 9], 0, [5])], page_size=4)
+    (three_out,) = padded.execute([three])  # pads to 4 rows
+    assert padded.padded_shape(three) == (4, 16, 4)
+    assert three_out.tokens[0] == want.tokens[0]
+    np.testing.assert_allclose(three_out.logprobs[0], want.logprobs[0], atol=1e-6)
