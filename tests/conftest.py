@@ -27,12 +27,11 @@ def smollm2_files():
 
 
 @pytest.fixture(scope="session")
-def smollm2(smollm2_files):
-    """(config, model, tokenizer) of the real SmolLM2-135M-Instruct, in float32."""
+def smollm2_pretrained(smollm2_files):
+    """The real SmolLM2-135M-Instruct (config, model, tokenizer) in float32, loaded once."""
     from meshserve.model.pretrained import load_pretrained
 
-    pretrained = load_pretrained(str(smollm2_files.path))
-    return pretrained
+    return load_pretrained(str(smollm2_files.path))
 
 
 def random_params(config, *, seed: int = 0, scale: float = 0.12) -> dict[str, np.ndarray]:

@@ -1,0 +1,84 @@
+"""meshserve against HF transformers, through the golden files of scripts/make_golden.py.
+
+- Tiny random Llama, Llama-3-RoPE, Qwen2 and GPT-2 models saved by `save_pretrained`: logits of the
+  dense path and of the paged path (prefill, then decode one token at a time) within 1e-4.
+- SmolLM2-135M-Instruct from its GGUF: greedy tokens equal, and each step's logprob within 2e-3.
+  A token may differ only where HF's top-2 margin is under 1e-3; the rest is then not compared.
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+from meshserve.model.loaders import load_hf
+from meshserve.model.runner import ModelRunner, RunnerConfig
+from meshserve.model.transformer import model_from_params
+from meshserve.serving.generate import generate_greedy
+from tests.model.paged import PagedStepper
+
+TINY_MODELS = ["tiny-llama", "tiny-llama3-rope", "tiny-qwen2", "tiny-gpt2"]
+
+
+@pytest.fixture(scope="module", params=TINY_MODELS)
+def tiny(request, golden_dir):
+    directory = golden_dir / request.param
+    config, params = load_hf(directory)
+    reference = np.load(directory / "logits.npz")
+    return model_from_params(config, params), reference["input_ids"], reference["logits"]
+
+
+def test_tiny_dense_logits_match_hf(tiny):
+    model, input_ids, want = tiny
+    stepper = PagedStepper(model, page_size=4, num_pages=4)
+    np.testing.assert_allclose(stepper.dense(input_ids), want, atol=1e-4, rtol=1e-4)
+
+
+def test_tiny_paged_logits_match_hf(tiny):
+    model, input_ids, want = tiny
+    rows, length = input_ids.shape
+    page_size, prompt = 4, 9
+    stepper = PagedStepper(model, page_size=page_size, num_pages=1 + rows * length // page_size)
+    pages = [list(range(1 + r, 1 + rows * length // page_size, rows)) for r in range(rows)]
+    (out,) = stepper.run(([(input_ids[r, :prompt], 0, pages[r]) for r in range(rows)], None))
+    np.testing.assert_allclose(out.logits[:rows], want[:, prompt - 1], atol=1e-4, rtol=1e-4)
+    for pos in range(prompt, length):
+        (out,) = stepper.run(([(input_ids[r, pos:pos + 1], pos, pages[r]) for r in range(rows)],
+                              None))
+        np.testing.assert_allclose(out.logits[:rows], want[:, pos], atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def smollm2_golden(golden_dir):
+    return json.loads((golden_dir / "smollm2.json").read_text())
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_matches_hf(smollm2_pretrained, smollm2_golden):
+    cases = smollm2_golden["cases"]
+    num_new = smollm2_golden["num_new_tokens"]
+    assert len(cases) >= 6 and max(len(c["prompt_ids"]) for c in cases) > 1000
+    runner = ModelRunner(smollm2_pretrained.model, RunnerConfig(
+        num_pages=160, page_size=16, max_rows=len(cases), max_tokens=512, max_pages_per_seq=96))
+    rows = generate_greedy(runner, [c["prompt_ids"] for c in cases], max_new_tokens=num_new)
+    for case, row in zip(cases, rows):
+        _assert_matches(case, row.token_ids, row.logprobs)
+
+
+def _assert_matches(case, tokens, logprobs):
+    for step, (got, want) in enumerate(zip(tokens, case["greedy_ids"])):
+        if got != want:
+            assert case["top2_margin"][step] < 1e-3, (
+                f"{case['name']}: token {step} is {got}, HF chose {want} with a top-2 margin of "
+                f"{case['top2_margin'][step]:.2e}")
+            return  # a near-tie was broken the other way; later tokens are not comparable
+        assert abs(logprobs[step] - case["greedy_logprobs"][step]) < 2e-3, (case["name"], step)
+
+
+def test_smollm2_prompt_ids_match_hf(smollm2_golden, smollm2_files):
+    from meshserve.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_gguf(smollm2_files.path)
+    add_special = smollm2_golden["add_special_tokens"]
+    for case in smollm2_golden["cases"]:
+        assert tokenizer.encode(case["text"], add_special_tokens=add_special) == case["prompt_ids"]
