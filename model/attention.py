@@ -146,12 +146,20 @@ def _masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array)
     batch, tokens, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]
     q = q.reshape(batch, tokens, kv_heads, num_heads // kv_heads, head_dim)  # [B, T, K, G, h]
-    scores = jnp.einsum("btkgh,bksh->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = _einsum_f32("btkgh,bksh->bkgts", q, k)
     scores = scores * (head_dim ** -0.5)
     scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
     weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bksh->btkgh", weights, v, preferred_element_type=jnp.float32)
+    out = _einsum_f32("bkgts,bksh->btkgh", weights, v)
     return out.reshape(batch, tokens, num_heads, head_dim).astype(q.dtype)
+
+
+def _einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """An einsum accumulated and returned in float32, for any input dtype."""
+    if jax.default_backend() == "cpu" and a.dtype != jnp.float32:
+        # XLA:CPU has no bf16 x bf16 -> f32 dot; upcasting is exact and CPU runs f32 anyway.
+        return jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32))
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 
 @jax.tree_util.register_dataclass

@@ -34,7 +34,9 @@ What it writes (``--out``, default ``tests/golden`` next to this script):
     tokenizer conversion ignores ``pre = "smollm"`` (plain ByteLevel only), which
     differs whenever a whitespace run is followed by a digit; where it differs
     the HF ids are recorded as ``hf_gguf_ids`` too.  See
-    ``encode_reference_note`` in the file.
+    ``encode_reference_note`` in the file.  (Cross-checked once by hand against
+    llama-cpp-python 0.3.36, whose tokenizer reproduces every reference id,
+    including the cases where HF differs.)
 
 ``tiny-llama/``, ``tiny-llama3-rope/``, ``tiny-qwen2/``, ``tiny-gpt2/``
     Tiny randomly initialised HF models saved with ``save_pretrained``

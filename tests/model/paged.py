@@ -22,7 +22,7 @@ class PagedStepper:
         self.graphdef, self.params = nnx.split(model)
         self.cache = init_kv_cache(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
                                    num_pages=num_pages, page_size=page_size,
-                                   head_dim=c.head_dim, dtype=jnp.float32)
+                                   head_dim=c.head_dim, dtype=jnp.dtype(c.dtype))
         self.step = jax.jit(functools.partial(forward_step, self.graphdef), donate_argnums=(1,))
 
     def run(self, *sub_batches):

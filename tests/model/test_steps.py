@@ -104,3 +104,18 @@ def test_padding_rows_do_not_disturb_real_rows():
     assert padded.padded_shape(three) == (4, 16, 4)
     assert three_out.tokens[0] == want.tokens[0]
     np.testing.assert_allclose(three_out.logprobs[0], want.logprobs[0], atol=1e-6)
+
+
+def test_bfloat16_model_tracks_float32():
+    config = ModelConfig.preset("tiny-llama")
+    params = random_params(config)
+    f32 = PagedStepper(model_from_params(config, params), page_size=4, num_pages=8)
+    bf16_model = model_from_params(config.replace(dtype="bfloat16"), params)
+    assert bf16_model.layers.attn.q.kernel[...].dtype == jax.numpy.bfloat16
+    bf16 = PagedStepper(bf16_model, page_size=4, num_pages=8)
+    assert bf16.cache.k.dtype == jax.numpy.bfloat16
+    tokens = np.arange(1, 12)[None]
+    (out,) = bf16.run(([(tokens[0], 0, [1, 2, 3])], None))
+    want = f32.dense(tokens)[0, -1]
+    assert out.logits.dtype == np.float32
+    np.testing.assert_allclose(out.logits[0], want, atol=0.1 * np.abs(want).max())

@@ -1,0 +1,88 @@
+"""This machine's limits, measured, and the decode-step floor they imply.
+
+    floor(B) = max(weight_bytes / bandwidth, 2 * B * params / matmul_rate)
+               + B * kv_bytes_read / bandwidth
+
+Bandwidth is measured as a large array update through XLA (bytes read plus bytes written); the
+matmul rate as a large float32 matmul. Both are medians over several runs, measured in the same
+process as the step they judge, since shared machines drift.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshserve.batching.plan import sub_batch_from_rows
+from meshserve.model.config import ModelConfig, bytes_per_element, kv_bytes_per_token
+from meshserve.model.runner import ModelRunner
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    bandwidth: float  # bytes / s
+    matmul_rate: float  # flop / s
+
+
+def median_seconds(fn: Callable[[], object], *, repeats: int) -> float:
+    jax.block_until_ready(fn())  # compile and warm
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_bandwidth(num_bytes: int = 512 << 20, *, repeats: int = 10) -> float:
+    """Bytes read plus written per second by an in-place update of a large array.
+
+    The buffer is donated, so every run rewrites the same memory; a fresh output each run would
+    measure page faults instead of bandwidth.
+    """
+    state = {"x": jnp.ones((num_bytes // 4,), jnp.float32)}
+    bump = jax.jit(lambda a: a + 1.0, donate_argnums=0)
+
+    def run():
+        state["x"] = bump(state["x"])
+        return state["x"]
+
+    return 2 * num_bytes / median_seconds(run, repeats=repeats)
+
+
+def measure_matmul_rate(n: int = 2048, *, repeats: int = 5) -> float:
+    a = jnp.ones((n, n), jnp.float32)
+    matmul = jax.jit(lambda x: x @ x)
+    return 2 * n ** 3 / median_seconds(lambda: matmul(a), repeats=repeats)
+
+
+def measure_machine() -> Machine:
+    return Machine(bandwidth=measure_bandwidth(), matmul_rate=measure_matmul_rate())
+
+
+def decode_floor(config: ModelConfig, machine: Machine, *, batch: int, context: int) -> float:
+    """Seconds one decode step of `batch` sequences of `context` tokens cannot beat."""
+    weight_bytes = config.num_params * bytes_per_element(config.dtype)
+    weights = max(weight_bytes / machine.bandwidth,
+                  2 * batch * config.num_params / machine.matmul_rate)
+    return weights + batch * context * kv_bytes_per_token(config) / machine.bandwidth
+
+
+def measure_decode_step(runner: ModelRunner, *, batch: int, context: int,
+                        repeats: int = 20) -> float:
+    """Median seconds of one decode step through the runner, host work included."""
+    size = runner.config.page_size
+    pages_each = -(-(context + 1) // size)
+    if 1 + batch * pages_each > runner.config.num_pages:
+        raise ValueError(f"batch {batch} x context {context} needs more than "
+                         f"{runner.config.num_pages} pages")
+    rows = [([1], context, list(range(1 + i * pages_each, 1 + (i + 1) * pages_each)))
+            for i in range(batch)]
+    plan = sub_batch_from_rows(rows, page_size=size)
+    return median_seconds(lambda: np.asarray(runner.execute([plan])[0].tokens), repeats=repeats)

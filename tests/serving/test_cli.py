@@ -1,0 +1,45 @@
+"""The `meshserve` command line, in-process."""
+
+import dataclasses
+
+import pytest
+
+from meshserve.model.runner import RunnerConfig
+from meshserve.serving.cli import build_parser, dataclass_from_args, main
+
+
+def test_every_runner_field_is_a_flag():
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--num-pages", "9",
+                                      "--page-size", "8"])
+    config = dataclass_from_args(RunnerConfig, args)
+    assert (config.num_pages, config.page_size) == (9, 8)
+    for field in dataclasses.fields(RunnerConfig):
+        assert getattr(config, field.name) is not None
+
+
+def test_missing_model_path_is_a_clear_error(capsys, tmp_path):
+    code = main(["generate", "--model", str(tmp_path / "nope.gguf"), "--prompt", "hi"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "nope.gguf" in err and "Known names" in err
+
+
+def test_invalid_runner_config_is_a_clear_error(capsys):
+    code = main(["generate", "--model", "tiny-llama", "--prompt", "hi", "--num-pages", "1"])
+    assert code == 2
+    assert "num_pages must be >= 2" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_generate_answers_with_smollm2(capsys, smollm2_files):
+    code = main(["generate", "--model", str(smollm2_files.path), "--prompt",
+                 "What is the capital of France?", "--max-new-tokens", "8", "--num-pages", "32",
+                 "--max-rows", "1", "--max-tokens", "64", "--max-pages-per-seq", "8"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "Paris" in out and "tokens/s" in out
+
+
+def test_model_without_tokenizer_is_a_clear_error(capsys):
+    assert main(["generate", "--model", "tiny-llama", "--prompt", "hi"]) == 2
+    assert "has no tokenizer" in capsys.readouterr().err
