@@ -1,8 +1,12 @@
 """The step plan: what the host decided one step will compute, as plain numpy arrays.
 
-A plan is a tuple of sub-batches. Each `SubBatchPlan` holds B rows with up to T new tokens each
-(prefill chunks, or decodes with T = 1), unpadded in B and M; the model runner pads them to its
-compiled buckets. Rows are right-padded in T; `num_new` says how many tokens of a row are real.
+A `StepPlan` is a tuple of sub-batches. Each `SubBatchPlan` holds B rows with up to T new tokens
+each (prefill chunks, or decodes with T = 1), unpadded in B and M; the model runner pads them to
+its compiled buckets. Rows are right-padded in T; `num_new` says how many tokens of a row are real.
+
+Each sub-batch carries `SamplingArrays`, one entry per row: how to sample the token that follows the
+row's last new token. A row whose chunk does not end its prompt still gets a token sampled; the
+host ignores it (`StepPlan.row_samples` says which rows' tokens count).
 
 Invariants (asserted): all arrays int32; a row's new tokens sit at positions
 `kv_lens - num_new ... kv_lens - 1`; its page table covers `kv_lens` tokens; page 0 is never a
@@ -77,3 +81,78 @@ def _empty_plan(rows: int, width: int, num_pages: int, *, with_targets: bool) ->
         kv_lens=zeros(rows), page_table=zeros(rows, num_pages),
         targets=zeros(rows, width) if with_targets else None,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingArrays:
+    """Per-row sampling parameters of one sub-batch, as the device sampler reads them.
+
+    temperature 0 means greedy. top_k 0 means off. `seeds` and `steps` make a row's random draw a
+    function of (request seed, output index) only, so batch company never changes it. `history`
+    holds the ids of each row's prompt and output so far (padded with -1), for the penalties;
+    `history_is_output` marks which of them were generated.
+    """
+
+    temperature: np.ndarray  # [B] float32
+    top_k: np.ndarray  # [B] int32
+    top_p: np.ndarray  # [B] float32
+    min_p: np.ndarray  # [B] float32
+    repetition_penalty: np.ndarray  # [B] float32
+    presence_penalty: np.ndarray  # [B] float32
+    frequency_penalty: np.ndarray  # [B] float32
+    seeds: np.ndarray  # [B] uint32
+    steps: np.ndarray  # [B] int32, index of the output token being sampled
+    history: np.ndarray  # [B, H] int32, -1 = padding
+    history_is_output: np.ndarray  # [B, H] bool
+
+    def __post_init__(self):
+        rows = self.temperature.shape[0]
+        for field in dataclasses.fields(self):
+            assert getattr(self, field.name).shape[0] == rows, field.name
+        assert self.history.shape == self.history_is_output.shape
+
+    @property
+    def num_rows(self) -> int:
+        return self.temperature.shape[0]
+
+
+def greedy_sampling(rows: int, history_width: int = 1) -> SamplingArrays:
+    """Greedy, penalty-free sampling for `rows` rows."""
+    zeros = lambda dtype: np.zeros(rows, dtype)  # noqa: E731
+    ones = lambda: np.ones(rows, np.float32)  # noqa: E731
+    return SamplingArrays(
+        temperature=zeros(np.float32), top_k=zeros(np.int32), top_p=ones(), min_p=zeros(np.float32),
+        repetition_penalty=ones(), presence_penalty=zeros(np.float32),
+        frequency_penalty=zeros(np.float32), seeds=zeros(np.uint32), steps=zeros(np.int32),
+        history=np.full((rows, history_width), -1, np.int32),
+        history_is_output=np.zeros((rows, history_width), bool),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """Everything one engine step computes. Prefill sub-batch first (if any), then decode.
+
+    `row_requests[i][r]` is the request id of row r of sub-batch i; `row_samples[i][r]` says whether
+    that row's sampled token is a real output (False for a prompt chunk that is not the last).
+    """
+
+    sub_batches: tuple[SubBatchPlan, ...]
+    sampling: tuple[SamplingArrays, ...]
+    row_requests: tuple[tuple[str, ...], ...]
+    row_samples: tuple[np.ndarray, ...]  # per sub-batch [B] bool
+
+    def __post_init__(self):
+        assert len(self.sub_batches) == len(self.sampling) == len(self.row_requests)
+        assert len(self.row_samples) == len(self.sub_batches)
+        for batch, sampling, ids, samples in zip(self.sub_batches, self.sampling,
+                                                 self.row_requests, self.row_samples):
+            assert batch.num_rows == sampling.num_rows == len(ids) == samples.shape[0]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.sub_batches
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(b.num_tokens for b in self.sub_batches)

@@ -23,29 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from meshserve.batching.buckets import bucket_sizes, pick_bucket
 from meshserve.batching.plan import SubBatchPlan
 from meshserve.model.attention import KVCache, SubBatch, init_kv_cache
 from meshserve.model.steps import greedy_step
 
 _COMPILE_EVENT_PREFIX = "/jax/core/compile/"
 _BACKEND_COMPILE_EVENT = _COMPILE_EVENT_PREFIX + "backend_compile_duration"
-
-
-def bucket_sizes(max_size: int, *, min_size: int = 1) -> tuple[int, ...]:
-    """Powers of two from `min_size` up to `max_size`, with `max_size` itself as the last one."""
-    assert 1 <= min_size <= max_size, (min_size, max_size)
-    sizes, size = [], min_size
-    while size < max_size:
-        sizes.append(size)
-        size *= 2
-    return tuple(sizes) + (max_size,)
-
-
-def pick_bucket(value: int, buckets: Sequence[int]) -> int:
-    for size in buckets:
-        if value <= size:
-            return size
-    raise ValueError(f"{value} exceeds the largest bucket {buckets[-1]}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
