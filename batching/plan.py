@@ -104,11 +104,14 @@ class SamplingArrays:
     steps: np.ndarray  # [B] int32, index of the output token being sampled
     history: np.ndarray  # [B, H] int32, -1 = padding
     history_is_output: np.ndarray  # [B, H] bool
+    min_tokens: np.ndarray | None = None  # [B] int32: banned_ids are masked below this count
+    banned_ids: np.ndarray | None = None  # [B, E] int32 EOS and stop ids, -1 = padding
 
     def __post_init__(self):
         rows = self.temperature.shape[0]
         for field in dataclasses.fields(self):
-            assert getattr(self, field.name).shape[0] == rows, field.name
+            value = getattr(self, field.name)
+            assert value is None or value.shape[0] == rows, field.name
         assert self.history.shape == self.history_is_output.shape
 
     @property

@@ -2,8 +2,8 @@
 
 `forward_step` runs one serving step over a tuple of sub-batches (prefill chunks, decodes, or both)
 against the paged cache and returns, per sub-batch, the logits at each row's last new token and,
-when targets are given, the logprobs of the prompt tokens. `greedy_step` adds argmax sampling on
-device, so a step copies only token ids and logprobs back to the host.
+when targets are given, the logprobs of the prompt tokens. `sample_step` adds per-row sampling on
+device (`meshserve.model.sampler`), so a step copies only token ids and logprobs back to the host.
 
 `forward_dense` recomputes a whole padded batch with full causal attention and no cache. It exists
 to check the paged path.
@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshserve.model.attention import KVCache, SubBatch, dense_context, paged_context
+from meshserve.model.sampler import DeviceSampling, Sampled, sample
 from meshserve.model.transformer import run_layers
 
 
@@ -29,18 +30,24 @@ from meshserve.model.transformer import run_layers
 class SubBatchOutput:
     logits: jax.Array  # [B, V] float32, at each row's last new token
     prompt_logprobs: jax.Array | None = None  # [B, T] logprob of targets[b, t] after token t
+    prompt_top_ids: jax.Array | None = None  # [B, T, K] most likely tokens after token t
+    prompt_top_logprobs: jax.Array | None = None  # [B, T, K]
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class SampledOutput:
-    tokens: jax.Array  # [B] int32
-    logprobs: jax.Array  # [B] float32, logprob of the chosen token
+class StepOutput:
+    """One sub-batch's result: the sampled token of each row, and prompt logprobs when asked."""
+
+    sampled: Sampled
     prompt_logprobs: jax.Array | None = None  # [B, T]
+    prompt_top_ids: jax.Array | None = None  # [B, T, K]
+    prompt_top_logprobs: jax.Array | None = None  # [B, T, K]
 
 
 def forward_step(graphdef: nnx.GraphDef, params: nnx.State, cache: KVCache,
-                 batches: tuple[SubBatch, ...]) -> tuple[tuple[SubBatchOutput, ...], KVCache]:
+                 batches: tuple[SubBatch, ...], *, num_top_logprobs: int = 0
+                 ) -> tuple[tuple[SubBatchOutput, ...], KVCache]:
     model = nnx.merge(graphdef, params)
     tokens = jnp.concatenate([b.tokens.reshape(-1) for b in batches])  # [N]
     positions = jnp.concatenate([b.positions.reshape(-1) for b in batches])  # [N]
@@ -49,12 +56,12 @@ def forward_step(graphdef: nnx.GraphDef, params: nnx.State, cache: KVCache,
     for b in batches:
         rows, width = b.shape
         sub_hidden = hidden[start:start + rows * width].reshape(rows, width, -1)  # [B, T, D]
-        outputs.append(_sub_batch_output(model, sub_hidden, b))
+        outputs.append(_sub_batch_output(model, sub_hidden, b, num_top_logprobs))
         start += rows * width
     return tuple(outputs), KVCache(k=ctx.k, v=ctx.v)
 
 
-def _sub_batch_output(model, hidden: jax.Array, b: SubBatch) -> SubBatchOutput:
+def _sub_batch_output(model, hidden: jax.Array, b: SubBatch, num_top: int) -> SubBatchOutput:
     last = jnp.maximum(b.num_new - 1, 0)
     last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [B, D]
     logits = model.logits(last_hidden).astype(jnp.float32)  # [B, V]
@@ -62,20 +69,24 @@ def _sub_batch_output(model, hidden: jax.Array, b: SubBatch) -> SubBatchOutput:
         return SubBatchOutput(logits=logits)
     all_logprobs = jax.nn.log_softmax(model.logits(hidden).astype(jnp.float32), axis=-1)
     chosen = jnp.take_along_axis(all_logprobs, b.targets[..., None], axis=-1)[..., 0]  # [B, T]
-    return SubBatchOutput(logits=logits, prompt_logprobs=chosen)
+    top_logprobs, top_ids = jax.lax.top_k(all_logprobs, num_top)  # [B, T, K]
+    return SubBatchOutput(logits=logits, prompt_logprobs=chosen,
+                          prompt_top_ids=top_ids.astype(jnp.int32),
+                          prompt_top_logprobs=top_logprobs)
 
 
-def greedy_step(graphdef: nnx.GraphDef, params: nnx.State, cache: KVCache,
-                batches: tuple[SubBatch, ...]) -> tuple[tuple[SampledOutput, ...], KVCache]:
-    outputs, cache = forward_step(graphdef, params, cache, batches)
-    return tuple(_greedy(o) for o in outputs), cache
-
-
-def _greedy(out: SubBatchOutput) -> SampledOutput:
-    tokens = jnp.argmax(out.logits, axis=-1).astype(jnp.int32)  # [B]
-    logprobs = jax.nn.log_softmax(out.logits, axis=-1)
-    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    return SampledOutput(tokens=tokens, logprobs=chosen, prompt_logprobs=out.prompt_logprobs)
+def sample_step(graphdef: nnx.GraphDef, params: nnx.State, cache: KVCache,
+                batches: tuple[SubBatch, ...], samplings: tuple[DeviceSampling, ...], *,
+                num_top_logprobs: int) -> tuple[tuple[StepOutput, ...], KVCache]:
+    """forward_step, then each row's token sampled on device with its own parameters."""
+    outputs, cache = forward_step(graphdef, params, cache, batches,
+                                  num_top_logprobs=num_top_logprobs)
+    results = tuple(
+        StepOutput(sampled=sample(o.logits, s, num_top_logprobs=num_top_logprobs),
+                   prompt_logprobs=o.prompt_logprobs, prompt_top_ids=o.prompt_top_ids,
+                   prompt_top_logprobs=o.prompt_top_logprobs)
+        for o, s in zip(outputs, samplings))
+    return results, cache
 
 
 def forward_dense(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array,

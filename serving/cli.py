@@ -1,82 +1,251 @@
 """The `meshserve` command line.
 
 Subcommands:
-  demo       answer a few prompts with the default model and print tokens/s
-  generate   answer prompts given on the command line (`--prompt`, repeatable)
+  generate   answer prompts given on the command line (`--prompt`, repeatable), streamed
+  batch      run a JSONL file of requests; results are appended as each finishes, and a rerun
+             skips the ids already in the output
+  demo       `batch` on the shipped example prompts
   roofline   measure this machine's bandwidth and matmul rate, and decode steps against the floor
 
-Options that configure a part of meshserve are generated from that part's config dataclass
-(`RunnerConfig` today), so a field is declared once and the CLI follows it.
+Engine options are generated from `EngineConfig`'s fields, so a knob is declared once and the CLI
+follows it.
+
+Batch input lines are JSON objects with one of `prompt` (text), `prompt_token_ids` or `messages`
+(chat), an optional `id` (default: the line number), and any `SamplingParams` field.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
+import tempfile
 import time
-from typing import Sequence
+import typing
+from importlib import resources
+from pathlib import Path
+from typing import Any, Iterator, Sequence
 
+from tqdm.auto import tqdm
+
+from meshserve.batching.sampling import SamplingParams
 from meshserve.model.config import bytes_per_element
 from meshserve.model.hub import DEFAULT_MODEL
-from meshserve.model.pretrained import load_pretrained
-from meshserve.model.runner import CompileCounter, ModelRunner, RunnerConfig
 from meshserve.serving import roofline
-from meshserve.serving.generate import generate_greedy
+from meshserve.serving.engine import EngineConfig
+from meshserve.serving.llm import LLM
 
-DEMO_PROMPTS = (
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain in two sentences why the sky is blue.",
-    "Give me three tips for learning to code.",
-)
+SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls) -> None:
-    """One `--field-name` option per field of a frozen config dataclass, typed by its default."""
+    """One `--field-name` option per field of a frozen config dataclass, typed by its annotation."""
     group = parser.add_argument_group(cls.__name__)
+    hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
         flag = "--" + field.name.replace("_", "-")
-        group.add_argument(flag, type=type(field.default), default=field.default,
-                           dest=field.name, help=f"(default: {field.default})")
+        kind = _scalar_type(hints[field.name])
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default,
+                               dest=field.name)
+        else:
+            group.add_argument(flag, type=kind, default=field.default, dest=field.name,
+                               help=f"(default: {field.default})")
+
+
+def _scalar_type(hint) -> type:
+    """`int` for `int` and `int | None`."""
+    options = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
+    return options[0]
 
 
 def dataclass_from_args(cls, args: argparse.Namespace):
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
+def _model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="known model name, .gguf file, HF directory, or preset")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    add_dataclass_args(parser, EngineConfig)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshserve", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in (("demo", "answer a few prompts with the default model"),
-                            ("generate", "answer the given prompts")):
-        sub = commands.add_parser(name, help=help_text)
-        sub.add_argument("--model", default=DEFAULT_MODEL,
-                         help="known model name, .gguf file, HF directory, or preset")
-        sub.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-        sub.add_argument("--max-new-tokens", type=int, default=64)
-        sub.add_argument("--raw", action="store_true",
-                         help="feed prompts as plain text, without the chat template")
-        if name == "generate":
-            sub.add_argument("--prompt", action="append", required=True,
-                             help="a prompt; repeat for a batch")
-        add_dataclass_args(sub, RunnerConfig)
-    roofline = commands.add_parser("roofline", help="decode step time against the machine's floor")
-    roofline.add_argument("--model", default=DEFAULT_MODEL)
-    roofline.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    roofline.add_argument("--batch", type=int, action="append",
-                          help="decode batch size; repeat for several (default: 1)")
-    roofline.add_argument("--context", type=int, default=128, help="tokens already in context")
-    add_dataclass_args(roofline, RunnerConfig)
+    generate = commands.add_parser("generate", help="answer the given prompts, streamed")
+    generate.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
+    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("--raw", action="store_true",
+                          help="feed prompts as plain text, without the chat template")
+    batch = commands.add_parser("batch", help="run a JSONL file of requests")
+    batch.add_argument("--input", required=True, type=Path)
+    batch.add_argument("--output", required=True, type=Path)
+    batch.add_argument("--show", action="store_true", help="print each answer as it finishes")
+    demo = commands.add_parser("demo", help="answer the shipped example prompts")
+    roof = commands.add_parser("roofline", help="decode step time against the machine's floor")
+    roof.add_argument("--batch", type=int, action="append",
+                      help="decode batch size; repeat for several (default: 1)")
+    roof.add_argument("--context", type=int, default=128, help="tokens already in context")
+    for sub in (generate, batch, demo, roof):
+        _model_args(sub)
     return parser
 
 
+def _load(args: argparse.Namespace, *, needs_tokenizer: bool, warmup: bool = True) -> LLM:
+    """The model and engine; bad options and a missing tokenizer fail before the warm-up."""
+    config = dataclass_from_args(EngineConfig, args)
+    llm = LLM(model=args.model, dtype=args.dtype,
+              **(dataclasses.asdict(config) | {"warmup": False}))
+    if needs_tokenizer and llm.tokenizer is None:
+        raise ValueError(f"model {args.model!r} has no tokenizer; pass a GGUF file or an HF "
+                         "directory with tokenizer.json")
+    if warmup and config.warmup:
+        llm.engine.warmup()
+    return llm
+
+
+# -- generate ----------------------------------------------------------------------------------
+
+def run_generate(args: argparse.Namespace) -> None:
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            seed=args.seed)
+    llm = _load(args, needs_tokenizer=True)
+    engine = llm.engine
+    for prompt in args.prompt:
+        text = prompt if args.raw else _chat(llm, [{"role": "user", "content": prompt}])
+        engine.add_request(text, params, request_id=prompt)
+    shown = {p: 0 for p in args.prompt}
+    started = time.perf_counter()
+    num_tokens = 0
+    stream_one = len(args.prompt) == 1
+    while engine.has_unfinished():
+        for out in engine.step():
+            text = out.outputs[0].text
+            if stream_one:
+                print(text[shown[out.request_id]:], end="", flush=True)
+                shown[out.request_id] = len(text)
+            elif out.finished:
+                print(f"\n>>> {out.request_id}\n{text.strip()}")
+            num_tokens += len(out.outputs[0].token_ids) if out.finished else 0
+    elapsed = time.perf_counter() - started
+    print(f"\n\n{num_tokens} tokens in {elapsed:.2f}s: {num_tokens / elapsed:.1f} tokens/s")
+
+
+def _chat(llm: LLM, messages: list[dict]) -> str:
+    return llm.tokenizer.apply_chat_template(messages)
+
+
+# -- batch -------------------------------------------------------------------------------------
+
+def read_requests(path: Path) -> Iterator[dict[str, Any]]:
+    """Parses and validates every line first, so a bad line fails before any work is done."""
+    if not path.is_file():
+        raise FileNotFoundError(f"batch input {path} does not exist")
+    lines = path.read_text(encoding="utf-8").splitlines()
+    entries = []
+    for number, line in enumerate(lines, start=1):
+        if line.strip():
+            entries.append(_parse_line(line, number, path))
+    ids = [e["id"] for e in entries]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{path}: request ids must be unique")
+    return iter(entries)
+
+
+def _parse_line(line: str, number: int, path: Path) -> dict[str, Any]:
+    try:
+        entry = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}:{number}: not valid JSON ({err.msg})") from None
+    if not isinstance(entry, dict):
+        raise ValueError(f"{path}:{number}: each line must be a JSON object")
+    prompts = [k for k in ("prompt", "prompt_token_ids", "messages") if k in entry]
+    if len(prompts) != 1:
+        raise ValueError(f"{path}:{number}: give exactly one of prompt, prompt_token_ids, messages")
+    unknown = set(entry) - SAMPLING_FIELDS - {"id", "prompt", "prompt_token_ids", "messages"}
+    if unknown:
+        raise ValueError(f"{path}:{number}: unknown fields {sorted(unknown)}")
+    sampling = {k: v for k, v in entry.items() if k in SAMPLING_FIELDS}
+    try:
+        params = SamplingParams(**sampling)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{path}:{number}: {err}") from None
+    return {"id": str(entry.get("id", number)), "kind": prompts[0], "value": entry[prompts[0]],
+            "params": params}
+
+
+def finished_ids(path: Path) -> set[str]:
+    """Ids already in the output. A torn last line (an interrupted write) is cut off."""
+    if not path.exists():
+        return set()
+    text = path.read_text(encoding="utf-8")
+    if text and not text.endswith("\n"):
+        text = text[:text.rfind("\n") + 1]
+        path.write_text(text, encoding="utf-8")
+    return {json.loads(line)["id"] for line in text.splitlines() if line.strip()}
+
+
+def run_batch(args: argparse.Namespace, input_path: Path, output_path: Path, *,
+              show: bool) -> None:
+    entries = list(read_requests(input_path))
+    done = finished_ids(output_path)
+    todo = [e for e in entries if e["id"] not in done]
+    print(f"{len(entries)} requests, {len(done & {e['id'] for e in entries})} already done, "
+          f"{len(todo)} to run")
+    if not todo:
+        return
+    llm = _load(args, needs_tokenizer=any(e["kind"] != "prompt_token_ids" for e in todo))
+    for entry in todo:
+        prompt = _chat(llm, entry["value"]) if entry["kind"] == "messages" else entry["value"]
+        llm.engine.add_request(prompt, entry["params"], request_id=entry["id"])
+    _drain_to_file(llm, output_path, len(todo), show=show)
+
+
+def _drain_to_file(llm: LLM, output_path: Path, total: int, *, show: bool) -> None:
+    started, num_tokens = time.perf_counter(), 0
+    output_path.parent.mkdir(parents=True, exist_ok=True)
+    with output_path.open("a", encoding="utf-8") as out_file, \
+            tqdm(total=total, desc="batch", unit="req") as bar:
+        while llm.engine.has_unfinished():
+            for out in llm.engine.step():
+                if not out.finished:
+                    continue
+                out_file.write(json.dumps(_result_record(out), ensure_ascii=False) + "\n")
+                out_file.flush()
+                num_tokens += len(out.outputs[0].token_ids)
+                bar.update(1)
+                if show:
+                    tqdm.write(f"\n>>> {out.request_id}\n{out.outputs[0].text.strip()}")
+    elapsed = time.perf_counter() - started
+    stats = llm.engine.stats
+    print(f"{num_tokens} output tokens in {elapsed:.2f}s: {num_tokens / elapsed:.1f} tokens/s; "
+          f"padding {stats.prefill_padding:.0%} prefill, {stats.decode_padding:.0%} decode; "
+          f"{llm.engine.scheduler.num_preemptions} preemptions; "
+          f"{stats.compiles_after_warmup} compiles after warm-up")
+
+
+def _result_record(out) -> dict[str, Any]:
+    completion = out.outputs[0]
+    return {"id": out.request_id, "text": completion.text, "token_ids": completion.token_ids,
+            "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
+            "num_prompt_tokens": len(out.prompt_token_ids),
+            "num_output_tokens": len(completion.token_ids)}
+
+
+def demo_prompts() -> Path:
+    return Path(str(resources.files("meshserve.serving") / "examples" / "demo_prompts.jsonl"))
+
+
+# -- roofline ----------------------------------------------------------------------------------
+
 def run_roofline(args: argparse.Namespace) -> None:
-    runner_config = dataclass_from_args(RunnerConfig, args)
-    pretrained = load_pretrained(args.model, dtype=args.dtype)
-    runner = ModelRunner(pretrained.model, runner_config)
+    llm = _load(args, needs_tokenizer=False, warmup=False)
+    runner, config = llm.engine.runner, llm.model_config
     machine = roofline.measure_machine()
-    config = pretrained.config
     print(f"bandwidth {machine.bandwidth / 1e9:.1f} GB/s, matmul {machine.matmul_rate / 1e9:.1f} "
           f"GFLOP/s, weights {config.num_params * bytes_per_element(config.dtype) / 1e6:.0f} MB")
     print(f"{'batch':>5} {'step ms':>9} {'floor ms':>9} {'floor/step':>10}")
@@ -86,44 +255,18 @@ def run_roofline(args: argparse.Namespace) -> None:
         print(f"{batch:>5} {step * 1e3:>9.2f} {floor * 1e3:>9.2f} {floor / step:>10.2f}")
 
 
-def run_generate(args: argparse.Namespace, prompts: Sequence[str]) -> None:
-    runner_config = dataclass_from_args(RunnerConfig, args)
-    started = time.perf_counter()
-    pretrained = load_pretrained(args.model, dtype=args.dtype)
-    tokenizer = pretrained.tokenizer
-    if tokenizer is None:
-        raise ValueError(f"model {args.model!r} has no tokenizer; pass a GGUF file or an HF "
-                         "directory with tokenizer.json")
-    runner = ModelRunner(pretrained.model, runner_config)
-    prompt_ids = [tokenizer.encode(_render(tokenizer, p, raw=args.raw)) for p in prompts]
-    print(f"loaded {pretrained.config.name} in {time.perf_counter() - started:.1f}s")
-    started = time.perf_counter()
-    with CompileCounter() as compiles:
-        rows = generate_greedy(runner, prompt_ids, max_new_tokens=args.max_new_tokens,
-                               stop_token_ids=tokenizer.eos_token_ids)
-    elapsed = time.perf_counter() - started
-    for prompt, row in zip(prompts, rows):
-        print(f"\n>>> {prompt}\n{tokenizer.decode(row.token_ids).strip()}")
-    num_tokens = sum(len(r.token_ids) for r in rows)
-    running = elapsed - compiles.seconds
-    print(f"\n{num_tokens} tokens for a batch of {len(rows)} in {elapsed:.2f}s, of which "
-          f"{compiles.seconds:.2f}s compiling {compiles.count} programs: "
-          f"{num_tokens / running:.1f} tokens/s compiled")
-
-
-def _render(tokenizer, prompt: str, *, raw: bool) -> str:
-    if raw:
-        return prompt
-    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "roofline":
-            run_roofline(args)
+        if args.command == "generate":
+            run_generate(args)
+        elif args.command == "batch":
+            run_batch(args, args.input, args.output, show=args.show)
+        elif args.command == "demo":
+            with tempfile.TemporaryDirectory() as tmp:
+                run_batch(args, demo_prompts(), Path(tmp) / "results.jsonl", show=True)
         else:
-            run_generate(args, DEMO_PROMPTS if args.command == "demo" else args.prompt)
+            run_roofline(args)
     except (ValueError, FileNotFoundError) as err:
         print(f"meshserve: error: {err}", file=sys.stderr)
         return 2

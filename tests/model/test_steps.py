@@ -83,7 +83,8 @@ def test_runner_compiles_once_per_bucket():
         runner.execute([plan(1, 14)])
         runner.execute([plan(1, 14)])
     with CompileCounter() as new_bucket:
-        runner.execute([plan(1, 14)] * 3)  # three rows: a new row bucket
+        three_rows = sub_batch_from_rows([([1], 14, [1, 2, 3, 4])] * 3, page_size=4)
+        runner.execute([three_rows])  # a new row bucket
     assert same_bucket.count == 1  # only the first decode shape
     assert new_bucket.count == 1
 

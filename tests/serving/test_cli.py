@@ -4,17 +4,20 @@ import dataclasses
 
 import pytest
 
-from meshserve.model.runner import RunnerConfig
 from meshserve.serving.cli import build_parser, dataclass_from_args, main
+from meshserve.serving.engine import EngineConfig
 
 
-def test_every_runner_field_is_a_flag():
+def test_every_engine_field_is_a_flag():
     args = build_parser().parse_args(["generate", "--prompt", "x", "--num-pages", "9",
-                                      "--page-size", "8"])
-    config = dataclass_from_args(RunnerConfig, args)
-    assert (config.num_pages, config.page_size) == (9, 8)
-    for field in dataclasses.fields(RunnerConfig):
-        assert getattr(config, field.name) is not None
+                                      "--page-size", "8", "--max-model-len", "64",
+                                      "--no-warmup", "--policy", "static"])
+    config = dataclass_from_args(EngineConfig, args)
+    assert (config.num_pages, config.page_size, config.max_model_len) == (9, 8, 64)
+    assert config.warmup is False and config.policy == "static"
+    defaults = dataclass_from_args(EngineConfig, build_parser().parse_args(["demo"]))
+    assert defaults == EngineConfig()
+    assert {f.name for f in dataclasses.fields(EngineConfig)} <= set(vars(args))
 
 
 def test_missing_model_path_is_a_clear_error(capsys, tmp_path):
@@ -30,11 +33,18 @@ def test_invalid_runner_config_is_a_clear_error(capsys):
     assert "num_pages must be >= 2" in capsys.readouterr().err
 
 
+def test_invalid_policy_is_a_clear_error(capsys):
+    code = main(["generate", "--model", "tiny-llama", "--prompt", "hi", "--policy", "fifo"])
+    assert code == 2
+    assert "policy must be one of" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_generate_answers_with_smollm2(capsys, smollm2_files):
     code = main(["generate", "--model", str(smollm2_files.path), "--prompt",
-                 "What is the capital of France?", "--max-new-tokens", "8", "--num-pages", "32",
-                 "--max-rows", "1", "--max-tokens", "64", "--max-pages-per-seq", "8"])
+                 "What is the capital of France?", "--max-tokens", "8", "--num-pages", "32",
+                 "--max-num-seqs", "1", "--prefill-chunk", "64", "--max-model-len", "128",
+                 "--max-num-batched-tokens", "64", "--no-compilation-cache"])
     out = capsys.readouterr().out
     assert code == 0
     assert "Paris" in out and "tokens/s" in out

@@ -1,0 +1,99 @@
+"""One request's host state: its tokens, how many of them are in the KV cache, and its pages.
+
+A request has `num_tokens` tokens (prompt plus output so far) of which `num_computed_tokens` have
+their KV in the cache; the scheduler hands out new tokens until `num_uncomputed` is 1, and every
+step that computes a request's last uncomputed token samples its next output. This one rule covers
+chunked prefill, decode, and resuming after preemption.
+
+There is no PREEMPTED status: a preempted request is WAITING again with `num_computed_tokens = 0`
+and no pages, and `num_preemptions` counts how often that happened. When it is scheduled again it
+recomputes its prompt and the outputs it already has, then samples its next output.
+
+This module is plain Python; it must not import jax or anything from meshserve's other packages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import random
+import time
+
+from meshserve.batching.sampling import MAX_SEED, SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """What a finished request reports ("stop", "length" or "abort"); None while unfinished."""
+        return self.value if self.is_finished else None
+
+
+_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                       RequestStatus.FINISHED_ABORTED})
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """Mutable host state of one request. Compared by identity.
+
+    `seed` is `params.seed`, or a random 32-bit seed drawn here, so that two unseeded requests with
+    the same prompt still sample differently.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0
+    pages: list[int] = dataclasses.field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    seed: int = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.seed = self.params.seed if self.params.seed is not None else _random_seed()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens whose KV is not in the cache yet (1 for a request that is decoding)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def max_kv_len(self) -> int:
+        """The most tokens this request ever holds in the cache: its last output is never fed."""
+        return self.num_prompt_tokens + self.params.max_tokens - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+
+def _random_seed() -> int:
+    return random.randrange(MAX_SEED)

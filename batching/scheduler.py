@@ -1,0 +1,574 @@
+"""The scheduler: decides what each engine step computes, and owns every request's host state.
+
+The engine loop is `plan = schedule()`, run the plan, `update(plan, tokens)`. A policy picks the
+step's rows (which requests, how many new tokens each); the rest is shared by every policy: page
+accounting, the step plan, and stopping.
+
+Continuous policy (the default; vLLM v1 style, no prefill or decode phase). Every step has a budget
+of `max_num_batched_tokens` new tokens, handed out in three passes:
+  1. running requests that are decoding (one uncomputed token) get 1 token each, oldest first;
+  2. running requests still mid-prompt get their next chunk:
+     min(prefill_chunk, budget left, tokens left);
+  3. waiting requests are admitted first come, first served, while there is a free seat
+     (`max_num_seqs`), budget, and free pages for their first chunk. The head of the queue always
+     goes first, so it never starves. The others are taken from the next
+     `admission_lookahead` (2 * max_num_seqs) requests: first those whose first chunk falls in the
+     head's token bucket (`pick_bucket` over `token_buckets`), then the rest, each group in queue
+     order. Admission stops at the first request whose chunk finds no free pages.
+
+Out of pages is a policy, never an error: a running request that needs a page and finds none
+preempts the newest running request not yet in this step (possibly itself, which then simply
+waits). A preempted request frees its pages, goes back to the front of the queue with
+`num_computed_tokens = 0`, and later recomputes its prompt and outputs so far; the token sampled
+after that recomputation is its next output. A step that preempts admits nobody, so a request just
+sent back is not readmitted straight into the same shortage. Every request passed `add`'s check that
+it fits in the whole cache, so the oldest running request always makes progress: no step can hang.
+
+Static policy (the baseline of BENCHMARKS.md): batches of up to `max_num_seqs` requests are formed
+first come, first served, reserving each request's pages for its whole prompt and `max_tokens` up
+front, so it never preempts (a batch is smaller when the cache cannot hold more). The batch prefills
+in lockstep chunks padded to the longest prompt, then decodes until its longest request ends; a
+finished request keeps its row as padding, so the batch never shrinks, and nothing joins until the
+whole batch is done.
+
+Plan layout: all prefill rows in one sub-batch, all decode rows (running requests with one token
+left) in another, in that order, either absent when empty. A padding row has `num_new = 0`,
+`kv_lens = 0` and no pages; it carries the id of the request whose seat it holds and never samples.
+
+This module is plain Python and numpy; it must not import jax or anything from meshserve's model,
+serving or sharding packages.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import numbers
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from meshserve.batching.buckets import bucket_sizes, pick_bucket
+from meshserve.batching.pages import PageAllocator, num_pages_for
+from meshserve.batching.plan import SamplingArrays, StepPlan, SubBatchPlan, sub_batch_from_rows
+from meshserve.batching.request import Request, RequestStatus
+from meshserve.batching.sampling import SamplingParams
+
+POLICY_NAMES = ("continuous", "static")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """Cache geometry and per-step limits.
+
+    `max_model_len` caps one request's prompt + max_tokens. `token_buckets` are the padded prefill
+    lengths the runner compiles; by default powers of two from min(16, prefill_chunk) up to
+    `prefill_chunk`. `eos_token_ids` end a request unless it sets `ignore_eos`.
+    """
+
+    num_pages: int
+    page_size: int
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    prefill_chunk: int = 256
+    max_model_len: int
+    policy: str = "continuous"
+    token_buckets: tuple[int, ...] | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        self._check_sizes()
+        self._check_budget()
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(f"policy must be one of {POLICY_NAMES}, got {self.policy!r}")
+        self._normalise_buckets()
+        eos = tuple(self.eos_token_ids)
+        if not all(_is_int(t) and t >= 0 for t in eos):
+            raise ValueError(f"eos_token_ids must be non-negative ints, got {self.eos_token_ids}")
+        object.__setattr__(self, "eos_token_ids", eos)
+
+    @property
+    def admission_lookahead(self) -> int:
+        """How far past the head of the queue admission looks for same-bucket requests."""
+        return 2 * self.max_num_seqs
+
+    def _check_sizes(self) -> None:
+        if not _is_int(self.num_pages) or self.num_pages < 2:
+            raise ValueError(f"num_pages must be an int >= 2 (page 0 is the reserved dummy page), "
+                             f"got {self.num_pages!r}")
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk",
+                     "max_model_len"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+    def _check_budget(self) -> None:
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}), so that every running request can decode each step")
+        if self.prefill_chunk > self.max_num_batched_tokens:
+            raise ValueError(
+                f"prefill_chunk ({self.prefill_chunk}) must be <= max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}); lower prefill_chunk or raise the budget")
+
+    def _normalise_buckets(self) -> None:
+        buckets = self.token_buckets
+        if buckets is None:
+            buckets = bucket_sizes(self.prefill_chunk, min_size=min(16, self.prefill_chunk))
+        buckets = tuple(buckets)
+        is_increasing = all(_is_int(b) and b >= 1 for b in buckets) and all(
+            a < b for a, b in zip(buckets, buckets[1:]))
+        if not buckets or not is_increasing or buckets[-1] < self.prefill_chunk:
+            raise ValueError(f"token_buckets must be increasing positive ints ending at >= "
+                             f"prefill_chunk ({self.prefill_chunk}), got {self.token_buckets}")
+        object.__setattr__(self, "token_buckets", buckets)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One row of a step: the next `num_new` tokens of `request`; 0 makes it a padding row."""
+
+    request: Request
+    num_new: int
+    is_decode: bool
+
+    @property
+    def is_padding(self) -> bool:
+        return self.num_new == 0
+
+    @property
+    def kv_len(self) -> int:
+        """The row's context after this step; 0 for padding."""
+        return 0 if self.is_padding else self.request.num_computed_tokens + self.num_new
+
+    @property
+    def is_sampled(self) -> bool:
+        """Whether this row computes the request's last uncomputed token, so its sample counts."""
+        return not self.is_padding and self.num_new == self.request.num_uncomputed
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KVUsage:
+    """KV-cache occupancy between steps. Empty slots are internal fragmentation."""
+
+    num_used_pages: int
+    num_peak_used_pages: int  # the most in use at once so far, within steps included
+    num_total_pages: int
+    num_filled_slots: int  # token slots that hold KV
+    num_allocated_slots: int  # slots of the used pages
+
+    @property
+    def num_empty_slots(self) -> int:
+        return self.num_allocated_slots - self.num_filled_slots
+
+
+class Policy(Protocol):
+    def pick_rows(self, scheduler: Scheduler) -> list[Row]:
+        """The rows of the next step; may admit, and (continuous only) preempt, requests."""
+
+
+class Scheduler:
+    """Engine API: add, schedule, update, finish, abort. Policies use reserve_pages, start and
+    preempt to move requests between the queues."""
+
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.allocator = PageAllocator(config.num_pages)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []  # in admission order: the last is the newest
+        self._requests: dict[str, Request] = {}  # every unfinished request
+        self._num_preemptions = 0
+        self._policy: Policy = _POLICIES[config.policy](config)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self._num_preemptions
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def get(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, or None."""
+        return self._requests.get(request_id)
+
+    def add(self, request: Request) -> None:
+        """Queues a new request; raises ValueError if it could never run."""
+        assert request.status is RequestStatus.WAITING and request.num_computed_tokens == 0
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self._check_fits(request)
+        self._requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def schedule(self) -> StepPlan:
+        return build_plan(self._policy.pick_rows(self), page_size=self.config.page_size,
+                          eos_token_ids=self.config.eos_token_ids)
+
+    def update(self, plan: StepPlan, tokens: Sequence[np.ndarray]) -> list[Request]:
+        """Applies a step's sampled tokens (one [B] array per sub-batch).
+
+        Returns the requests that got a new output this step, in plan order; those that finished
+        have left the scheduler and freed their pages.
+        """
+        assert len(tokens) == len(plan.sub_batches)
+        touched = []
+        for batch, ids, samples, sampled in zip(plan.sub_batches, plan.row_requests,
+                                                plan.row_samples, tokens):
+            for request_id, num_new, is_sampled, token in zip(ids, batch.num_new, samples, sampled):
+                request = self._requests.get(request_id)
+                if num_new == 0 or request is None:  # a padding row, or aborted during the step
+                    continue
+                assert request.status is RequestStatus.RUNNING, request.status
+                request.num_computed_tokens += int(num_new)
+                if is_sampled:
+                    self._append_output(request, int(token))
+                    touched.append(request)
+        return touched
+
+    def finish(self, request_id: str, reason: RequestStatus | str,
+               stop_reason: int | str | None = None) -> bool:
+        """Ends a request (e.g. on a stop string) and frees its pages; False if it is unknown.
+
+        `reason` is a finished status, or its finish reason: "stop", "length" or "abort".
+        """
+        status = RequestStatus(reason)
+        assert status.is_finished, status
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        queue = self.waiting if request.status is RequestStatus.WAITING else self.running
+        queue.remove(request)
+        self._release_pages(request)
+        request.status, request.finish_reason = status, status.finish_reason
+        request.stop_reason = stop_reason
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        """Cancels a waiting or running request; its pages are free when this returns."""
+        return self.finish(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def kv_usage(self) -> KVUsage:
+        used = self.allocator.num_used
+        return KVUsage(num_used_pages=used, num_peak_used_pages=self.allocator.num_peak_used,
+                       num_total_pages=self.allocator.num_total,
+                       num_filled_slots=sum(r.num_computed_tokens for r in self.running),
+                       num_allocated_slots=used * self.config.page_size)
+
+    # What the policies use to change the queues.
+
+    def reserve_pages(self, request: Request, num_tokens: int) -> bool:
+        """Grows the request's pages to hold `num_tokens` tokens; False (nothing taken) if short."""
+        missing = num_pages_for(num_tokens, self.config.page_size) - len(request.pages)
+        if missing <= 0:
+            return True
+        pages = self.allocator.allocate(missing)
+        if pages is None:
+            return False
+        request.pages.extend(pages)
+        return True
+
+    def start(self, request: Request) -> None:
+        """Moves a waiting request to the end of the running list."""
+        self.waiting.remove(request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def preempt(self, request: Request) -> None:
+        """Sends a running request back to the front of the queue, freeing all its pages."""
+        self.running.remove(request)
+        self._release_pages(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self._num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _release_pages(self, request: Request) -> None:
+        self.allocator.free(request.pages)
+        request.pages = []
+
+    def _append_output(self, request: Request, token: int) -> None:
+        request.output_token_ids.append(token)
+        stop = stop_status(request, self.config.eos_token_ids)
+        if stop is not None:
+            self.finish(request.request_id, *stop)
+
+    def _check_fits(self, request: Request) -> None:
+        c, rid = self.config, request.request_id
+        if request.num_prompt_tokens == 0:
+            raise ValueError(f"request {rid!r} has an empty prompt; send at least one token")
+        total = request.num_prompt_tokens + request.params.max_tokens
+        if total > c.max_model_len:
+            raise ValueError(
+                f"request {rid!r}: prompt ({request.num_prompt_tokens} tokens) + max_tokens "
+                f"({request.params.max_tokens}) = {total} exceeds max_model_len "
+                f"({c.max_model_len}); shorten the prompt or lower max_tokens")
+        num_pages = num_pages_for(request.max_kv_len, c.page_size)
+        if num_pages > self.allocator.num_total:
+            raise ValueError(
+                f"request {rid!r} needs {num_pages} KV pages of {c.page_size} tokens, but the "
+                f"cache has {self.allocator.num_total}; shorten it or give the cache more pages")
+
+
+def stop_status(request: Request, eos_token_ids: Sequence[int]
+                ) -> tuple[RequestStatus, int | None] | None:
+    """Whether the request's newest output ends it: `(status, stop_reason)`, or None to go on.
+
+    Below `min_tokens` neither a stop token nor EOS counts; `max_tokens` always does.
+    """
+    params, token = request.params, request.output_token_ids[-1]
+    num_outputs = len(request.output_token_ids)
+    if num_outputs >= params.min_tokens:
+        if token in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, token
+        if not params.ignore_eos and token in eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED, None
+    if num_outputs >= params.max_tokens:
+        return RequestStatus.FINISHED_LENGTH, None
+    return None
+
+
+# The step plan, built from the rows a policy picked.
+
+def build_plan(rows: Sequence[Row], *, page_size: int, eos_token_ids: Sequence[int] = ()
+               ) -> StepPlan:
+    """One prefill sub-batch, then one decode sub-batch; an empty one is left out."""
+    prefill = [row for row in rows if not row.is_decode]
+    decode = [row for row in rows if row.is_decode]
+    groups = [group for group in (prefill, decode) if group]
+    return StepPlan(
+        sub_batches=tuple(_sub_batch(group, page_size) for group in groups),
+        sampling=tuple(sampling_arrays(group, eos_token_ids=eos_token_ids) for group in groups),
+        row_requests=tuple(tuple(row.request.request_id for row in group) for group in groups),
+        row_samples=tuple(np.array([row.is_sampled for row in group], bool) for group in groups),
+    )
+
+
+def _sub_batch(rows: Sequence[Row], page_size: int) -> SubBatchPlan:
+    inputs = [_row_inputs(row, page_size) for row in rows]
+    return sub_batch_from_rows(inputs, page_size=page_size, targets=_prompt_targets(rows))
+
+
+def _row_inputs(row: Row, page_size: int) -> tuple[list[int], int, list[int]]:
+    """`(new_token_ids, num_cached_tokens, pages)`; pages only up to the row's context."""
+    if row.is_padding:
+        return [], 0, []
+    start, end = row.request.num_computed_tokens, row.kv_len
+    pages = row.request.pages[:num_pages_for(end, page_size)]
+    return row.request.all_token_ids[start:end], start, pages
+
+
+def _prompt_targets(rows: Sequence[Row]) -> list[list[int]] | None:
+    """For rows that ask for prompt logprobs: the prompt ids that follow each new token.
+
+    None when no row wants any, so the runner's plain step (no targets) is used.
+    """
+    targets = [_prompt_ids_after(row) if row.request.params.prompt_logprobs is not None else []
+               for row in rows]
+    return targets if any(targets) else None
+
+
+def _prompt_ids_after(row: Row) -> list[int]:
+    start = row.request.num_computed_tokens
+    return row.request.prompt_token_ids[start + 1:start + row.num_new + 1]
+
+
+def sampling_arrays(rows: Sequence[Row], *, eos_token_ids: Sequence[int] = ()) -> SamplingArrays:
+    """Each row's sampling parameters, seed, output index, token history and stop ids."""
+    requests = [row.request for row in rows]
+    params = [r.params for r in requests]
+    column = lambda name, dtype: np.array([getattr(p, name) for p in params], dtype)  # noqa: E731
+    history, is_output = _history(rows)
+    return SamplingArrays(
+        temperature=column("temperature", np.float32), top_k=column("top_k", np.int32),
+        top_p=column("top_p", np.float32), min_p=column("min_p", np.float32),
+        repetition_penalty=column("repetition_penalty", np.float32),
+        presence_penalty=column("presence_penalty", np.float32),
+        frequency_penalty=column("frequency_penalty", np.float32),
+        seeds=np.array([r.seed for r in requests], np.uint32),
+        steps=np.array([len(r.output_token_ids) for r in requests], np.int32),
+        history=history, history_is_output=is_output,
+        min_tokens=column("min_tokens", np.int32),
+        banned_ids=_banned_ids(params, eos_token_ids),
+    )
+
+
+def _history(rows: Sequence[Row]) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's context after this step ([B, H], right-padded with -1), and which are outputs.
+
+    Only the context: a chunk that does not end its prompt samples a token nobody keeps, and the
+    history then never outgrows the row's pages.
+    """
+    lengths = [row.kv_len for row in rows]
+    history = np.full((len(rows), max(max(lengths), 1)), -1, np.int32)
+    is_output = np.zeros(history.shape, bool)
+    for i, (row, n) in enumerate(zip(rows, lengths)):
+        history[i, :n] = row.request.all_token_ids[:n]
+        is_output[i, row.request.num_prompt_tokens:n] = True
+    return history, is_output
+
+
+def _banned_ids(params: Sequence[SamplingParams], eos_token_ids: Sequence[int]) -> np.ndarray:
+    """The ids the device masks while a row is below min_tokens: stop ids, and EOS unless ignored
+    ([B, E], right-padded with -1)."""
+    ids = [list(dict.fromkeys(p.stop_token_ids + (() if p.ignore_eos else tuple(eos_token_ids))))
+           for p in params]
+    banned = np.full((len(ids), max(1, max(len(i) for i in ids))), -1, np.int32)
+    for row, row_ids in enumerate(ids):
+        banned[row, :len(row_ids)] = row_ids
+    return banned
+
+
+# Policies.
+
+@dataclasses.dataclass
+class _Draft:
+    """The rows of the step being planned, and what is left of its token budget."""
+
+    num_free_tokens: int
+    rows: list[Row] = dataclasses.field(default_factory=list)
+    scheduled: set[str] = dataclasses.field(default_factory=set)
+    num_preempted: int = 0
+
+    def add(self, row: Row) -> None:
+        assert 0 < row.num_new <= self.num_free_tokens, (row.num_new, self.num_free_tokens)
+        self.rows.append(row)
+        self.scheduled.add(row.request.request_id)
+        self.num_free_tokens -= row.num_new
+
+    def is_scheduled(self, request: Request) -> bool:
+        return request.request_id in self.scheduled
+
+
+class ContinuousPolicy:
+    """Continuous batching with chunked prefill; see the module docstring for the exact rules."""
+
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+
+    def pick_rows(self, scheduler: Scheduler) -> list[Row]:
+        draft = _Draft(num_free_tokens=self.config.max_num_batched_tokens)
+        self._continue_running(scheduler, draft, is_decode=True)
+        self._continue_running(scheduler, draft, is_decode=False)
+        if draft.num_preempted == 0:
+            self._admit_waiting(scheduler, draft)
+        return draft.rows
+
+    def _continue_running(self, scheduler: Scheduler, draft: _Draft, *, is_decode: bool) -> None:
+        """Schedules the running requests that are decoding (or mid-prompt), oldest first."""
+        for request in list(scheduler.running):
+            if request.status is not RequestStatus.RUNNING:  # preempted earlier in this pass
+                continue
+            if (request.num_uncomputed == 1) != is_decode:
+                continue
+            num_new = self._chunk_len(request, draft)
+            if num_new > 0 and self._make_room(scheduler, draft, request, num_new):
+                draft.add(Row(request, num_new, is_decode))
+
+    def _make_room(self, scheduler: Scheduler, draft: _Draft, request: Request,
+                   num_new: int) -> bool:
+        """Reserves pages for the request's next `num_new` tokens, preempting the newest running
+        request not yet in this step until they fit. False if the request preempted itself."""
+        while not scheduler.reserve_pages(request, request.num_computed_tokens + num_new):
+            victim = next(r for r in reversed(scheduler.running) if not draft.is_scheduled(r))
+            scheduler.preempt(victim)
+            draft.num_preempted += 1
+            if victim is request:
+                return False
+        return True
+
+    def _admit_waiting(self, scheduler: Scheduler, draft: _Draft) -> None:
+        for request in self._admission_order(scheduler.waiting):
+            if scheduler.num_running >= self.config.max_num_seqs or draft.num_free_tokens == 0:
+                return
+            num_new = self._chunk_len(request, draft)
+            if not scheduler.reserve_pages(request, num_new):
+                return
+            scheduler.start(request)
+            draft.add(Row(request, num_new, is_decode=False))
+
+    def _admission_order(self, waiting: collections.deque[Request]) -> list[Request]:
+        """The head first; then, among the next `admission_lookahead` requests, those in the head's
+        token bucket, then the others, each in queue order.
+
+        The window holds more requests than there are seats, so looking no further never leaves a
+        seat empty that FCFS would have filled.
+        """
+        window = list(itertools.islice(waiting, 0, 1 + self.config.admission_lookahead))
+        if not window:
+            return []
+        head, rest = window[0], window[1:]
+        is_same = [self._bucket(r) == self._bucket(head) for r in rest]
+        same = [r for r, s in zip(rest, is_same) if s]
+        others = [r for r, s in zip(rest, is_same) if not s]
+        return [head] + same + others
+
+    def _chunk_len(self, request: Request, draft: _Draft) -> int:
+        return min(request.num_uncomputed, self.config.prefill_chunk, draft.num_free_tokens)
+
+    def _bucket(self, request: Request) -> int:
+        """The token bucket of the request's next chunk, with the whole budget free."""
+        chunk = min(request.num_uncomputed, self.config.prefill_chunk)
+        return pick_bucket(chunk, self.config.token_buckets)
+
+
+class StaticPolicy:
+    """Static batching, the baseline; see the module docstring."""
+
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.batch: list[Request] = []  # the members, finished ones included, in seat order
+
+    def pick_rows(self, scheduler: Scheduler) -> list[Row]:
+        if all(r.is_finished for r in self.batch):
+            self.batch = self._form_batch(scheduler)
+        if not self.batch:
+            return []
+        if any(_is_prefilling(r) for r in self.batch):
+            return self._prefill_rows()
+        return [Row(r, 0 if r.is_finished else 1, is_decode=True) for r in self.batch]
+
+    def _form_batch(self, scheduler: Scheduler) -> list[Request]:
+        """Up to max_num_seqs waiting requests, FCFS, each with pages for its whole life."""
+        batch = []
+        while scheduler.waiting and len(batch) < self.config.max_num_seqs:
+            request = scheduler.waiting[0]
+            if not scheduler.reserve_pages(request, request.max_kv_len):
+                break
+            scheduler.start(request)
+            batch.append(request)
+        assert batch or not scheduler.waiting, "an empty cache holds any request that passed add"
+        return batch
+
+    def _prefill_rows(self) -> list[Row]:
+        """One lockstep chunk of every prompt; rows whose prompt is done are padding."""
+        chunk = min(self.config.prefill_chunk,
+                    self.config.max_num_batched_tokens // len(self.batch))
+        return [Row(r, min(chunk, _num_prompt_left(r)) if _is_prefilling(r) else 0,
+                    is_decode=False) for r in self.batch]
+
+
+def _is_prefilling(request: Request) -> bool:
+    return not request.is_finished and _num_prompt_left(request) > 0
+
+
+def _num_prompt_left(request: Request) -> int:
+    return request.num_prompt_tokens - request.num_computed_tokens
+
+
+_POLICIES = {"continuous": ContinuousPolicy, "static": StaticPolicy}
+assert tuple(_POLICIES) == POLICY_NAMES

@@ -1,0 +1,234 @@
+"""The device sampler: per-row sampling of the next token from one sub-batch's logits.
+
+`sample` is a pure, jit-friendly function of `(logits [B, V], DeviceSampling)`. Every row carries
+its own parameters, so one call mixes greedy, temperature, top-k, top-p and min-p rows. The
+pipeline (vLLM's semantics):
+
+1. Logprobs, of the chosen token and of the top-K, come from the raw model distribution:
+   `log_softmax(logits)` before any penalty, mask, temperature or filter.
+2. Penalties: repetition over the prompt and output in `history` (divide positive logits, multiply
+   the others), then frequency (minus f times the output count) and presence (minus p once per
+   output token seen).
+3. Stop masking: while `steps < min_tokens`, the row's `banned_ids` get -inf (unless that would
+   mask the whole row).
+4. Rows with temperature <= 0 take the argmax of the logits so far.
+5. Other rows: divide by temperature, keep the logits at or above one threshold per row (the
+   largest of the top-k, top-p and min-p thresholds, each computed on one descending sort), and
+   draw with `jax.random.categorical`.
+
+Invariants: float32 throughout; the top token of a row always survives the filters, so no row is
+all -inf and nothing divides 0 by 0; a row's key is `fold_in(key(seed), step)`, so its draw
+depends only on (seed, step, its own logits), never on batch company, row index or batch size.
+History and banned ids use -1 as padding; padding never touches a logit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshserve.batching.plan import SamplingArrays
+
+_NEG_INF = float("-inf")
+_F32_MAX = float(np.finfo(np.float32).max)
+
+# Host dtype and the value that makes a padding row (or padding column) neutral and greedy.
+_FIELDS = {
+    "temperature": (np.float32, 0.0),
+    "top_k": (np.int32, 0),
+    "top_p": (np.float32, 1.0),
+    "min_p": (np.float32, 0.0),
+    "repetition_penalty": (np.float32, 1.0),
+    "presence_penalty": (np.float32, 0.0),
+    "frequency_penalty": (np.float32, 0.0),
+    "seeds": (np.uint32, 0),
+    "steps": (np.int32, 0),
+    "history": (np.int32, -1),
+    "history_is_output": (np.bool_, False),
+    "min_tokens": (np.int32, 0),
+    "banned_ids": (np.int32, -1),
+}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DeviceSampling:
+    """`SamplingArrays` on device, plus the stop masking of `min_tokens`."""
+
+    temperature: jax.Array  # [B] float32, <= 0 means greedy
+    top_k: jax.Array  # [B] int32, 0 means off
+    top_p: jax.Array  # [B] float32, >= 1 means off
+    min_p: jax.Array  # [B] float32, 0 means off
+    repetition_penalty: jax.Array  # [B] float32, 1 means off
+    presence_penalty: jax.Array  # [B] float32
+    frequency_penalty: jax.Array  # [B] float32
+    seeds: jax.Array  # [B] uint32
+    steps: jax.Array  # [B] int32, index of the output token being sampled
+    history: jax.Array  # [B, H] int32, -1 = padding
+    history_is_output: jax.Array  # [B, H] bool
+    min_tokens: jax.Array  # [B] int32, banned_ids are masked while steps < min_tokens
+    banned_ids: jax.Array  # [B, E] int32 (EOS and stop ids), -1 = padding
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Sampled:
+    tokens: jax.Array  # [B] int32
+    logprobs: jax.Array  # [B] float32, raw logprob of the chosen token
+    top_ids: jax.Array  # [B, K] int32, most likely tokens of the raw distribution, descending
+    top_logprobs: jax.Array  # [B, K] float32
+
+
+def device_sampling(arrays: SamplingArrays, *, min_tokens: np.ndarray | None = None,
+                    banned_ids: np.ndarray | None = None, rows: int | None = None,
+                    history_width: int | None = None,
+                    banned_width: int | None = None) -> DeviceSampling:
+    """Moves `arrays` to device in one `device_put`, padded to fixed shapes when asked.
+
+    `min_tokens` and `banned_ids`, when given, replace those of `arrays`; where neither has them
+    they default to 0 and one column of -1 (no stop masking). `rows`, `history_width` and
+    `banned_width` pad to those sizes (so compiled shapes stay bucketed) with neutral greedy rows
+    and -1 columns.
+    """
+    num_rows = arrays.num_rows
+    host = {f.name: getattr(arrays, f.name) for f in dataclasses.fields(arrays)}
+    if min_tokens is not None:
+        host["min_tokens"] = min_tokens
+    if banned_ids is not None:
+        host["banned_ids"] = banned_ids
+    if host.get("min_tokens") is None:
+        host["min_tokens"] = np.zeros(num_rows)
+    if host.get("banned_ids") is None:
+        host["banned_ids"] = np.full((num_rows, 1), -1)
+    widths = {"history": history_width, "history_is_output": history_width,
+              "banned_ids": banned_width}
+    padded = {name: _pad(np.asarray(value), name, rows or num_rows, widths.get(name))
+              for name, value in host.items()}
+    return jax.device_put(DeviceSampling(**padded))
+
+
+def _pad(value: np.ndarray, name: str, rows: int, width: int | None) -> np.ndarray:
+    dtype, fill = _FIELDS[name]
+    pad = [(0, rows - value.shape[0])]
+    if value.ndim == 2:
+        pad.append((0, (width or value.shape[1]) - value.shape[1]))
+    return np.pad(value.astype(dtype), pad, constant_values=fill)
+
+
+def sample(logits: jax.Array, s: DeviceSampling, *, num_top_logprobs: int = 0) -> Sampled:
+    """Samples one token per row of `logits` [B, V] (float32); K = `num_top_logprobs` is static."""
+    raw = jax.nn.log_softmax(logits, axis=-1)  # [B, V]
+    top_logprobs, top_ids = jax.lax.top_k(raw, num_top_logprobs)  # [B, K]
+    adjusted = mask_banned(apply_penalties(logits, s), s)  # [B, V]
+    greedy = jnp.argmax(adjusted, axis=-1)  # [B]
+    drawn = draw(apply_filters(scale(adjusted, s.temperature), s), s.seeds, s.steps)  # [B]
+    tokens = jnp.where(s.temperature <= 0, greedy, drawn).astype(jnp.int32)
+    chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]  # [B]
+    return Sampled(tokens=tokens, logprobs=chosen, top_ids=top_ids.astype(jnp.int32),
+                   top_logprobs=top_logprobs)
+
+
+def token_counts(ids: jax.Array, weights: jax.Array, vocab_size: int) -> jax.Array:
+    """Per-row counts [B, V] (int32) of `ids` [B, H], each weighted by `weights` [B, H] (bool)."""
+    rows = jnp.arange(ids.shape[0])[:, None]  # [B, 1]
+    valid = (ids >= 0) & weights
+    # -1 would wrap to the last token, so padding goes out of bounds and is dropped.
+    safe = jnp.where(valid, ids, vocab_size)  # [B, H]
+    counts = jnp.zeros((ids.shape[0], vocab_size), jnp.int32)
+    return counts.at[rows, safe].add(1, mode="drop")
+
+
+def apply_penalties(logits: jax.Array, s: DeviceSampling) -> jax.Array:
+    """Repetition (prompt and output), then frequency and presence (output only) penalties."""
+    vocab_size = logits.shape[-1]
+    seen = token_counts(s.history, jnp.ones_like(s.history_is_output), vocab_size) > 0  # [B, V]
+    output = token_counts(s.history, s.history_is_output, vocab_size)  # [B, V]
+    rep = s.repetition_penalty[:, None]  # [B, 1]
+    repeated = jnp.where(logits > 0, logits / rep, logits * rep)
+    penalised = jnp.where(seen, repeated, logits)
+    penalised = penalised - s.frequency_penalty[:, None] * output.astype(jnp.float32)
+    penalised = penalised - s.presence_penalty[:, None] * (output > 0).astype(jnp.float32)
+    return jnp.minimum(penalised, _F32_MAX)  # a penalty below 1 must not overflow to +inf
+
+
+def mask_banned(logits: jax.Array, s: DeviceSampling) -> jax.Array:
+    """-inf at `banned_ids` for rows with `steps < min_tokens`; a row is never masked whole."""
+    vocab_size = logits.shape[-1]
+    active = (s.steps < s.min_tokens)[:, None]  # [B, 1]
+    banned = token_counts(s.banned_ids, jnp.broadcast_to(active, s.banned_ids.shape),
+                          vocab_size) > 0  # [B, V]
+    masked = jnp.where(banned, _NEG_INF, logits)
+    keeps_some = jnp.any(masked > _NEG_INF, axis=-1, keepdims=True)  # [B, 1]
+    return jnp.where(keeps_some, masked, logits)
+
+
+def scale(logits: jax.Array, temperature: jax.Array) -> jax.Array:
+    """(logits - row max) / temperature: <= 0 everywhere, the top token at 0, never +inf.
+
+    Greedy rows (temperature <= 0) are scaled by 1; their draw is discarded.
+    """
+    top = jnp.max(logits, axis=-1, keepdims=True)  # [B, 1]
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    safe_t = jnp.where(temperature > 0, temperature, 1.0)[:, None]  # [B, 1]
+    return (logits - top) / safe_t
+
+
+def top_k_threshold(sorted_logits: jax.Array, top_k: jax.Array) -> jax.Array:
+    """[B] the k-th largest logit of each row; -inf where top_k is 0 (off) or >= V."""
+    vocab_size = sorted_logits.shape[-1]
+    on = (top_k > 0) & (top_k < vocab_size)
+    index = jnp.clip(top_k - 1, 0, vocab_size - 1)[:, None]  # [B, 1]
+    kth = jnp.take_along_axis(sorted_logits, index, axis=-1)[:, 0]
+    return jnp.where(on, kth, _NEG_INF)
+
+
+def top_p_threshold(sorted_logits: jax.Array, top_p: jax.Array) -> jax.Array:
+    """[B] the smallest logit of the nucleus; -inf where top_p >= 1 (off).
+
+    The nucleus is the shortest prefix of the descending order whose probability mass reaches
+    top_p (inclusive: a token is kept while the mass strictly above it is < top_p). The top token
+    is always kept.
+    """
+    probs = _softmax(sorted_logits)  # [B, V]
+    total = jnp.cumsum(probs, axis=-1)  # [B, V]
+    above = jnp.pad(total[:, :-1], ((0, 0), (1, 0)))  # [B, V] mass of the tokens ranked above
+    kept = jnp.maximum(jnp.sum(above < top_p[:, None], axis=-1), 1)  # [B]
+    last = jnp.take_along_axis(sorted_logits, (kept - 1)[:, None], axis=-1)[:, 0]
+    return jnp.where(top_p < 1, last, _NEG_INF)
+
+
+def min_p_threshold(sorted_logits: jax.Array, min_p: jax.Array) -> jax.Array:
+    """[B] log(min_p * max prob) in logit space: prob >= min_p * max_prob iff logit >= this."""
+    return sorted_logits[:, 0] + jnp.log(jnp.maximum(min_p, 0.0))
+
+
+def apply_filters(scaled: jax.Array, s: DeviceSampling) -> jax.Array:
+    """Top-k, then top-p over the top-k survivors, then min-p; the rest become -inf.
+
+    One descending sort serves all three; each yields a per-row logit threshold, and a token is
+    kept when it is at or above all of them (ties with a threshold are kept).
+    """
+    ranked = jnp.sort(scaled, axis=-1, descending=True)  # [B, V]
+    k_floor = top_k_threshold(ranked, s.top_k)  # [B]
+    ranked = jnp.where(ranked >= k_floor[:, None], ranked, _NEG_INF)
+    floor = jnp.maximum(k_floor, top_p_threshold(ranked, s.top_p))
+    floor = jnp.maximum(floor, min_p_threshold(ranked, s.min_p))
+    floor = jnp.minimum(floor, ranked[:, 0])[:, None]  # [B, 1] the top token always survives
+    return jnp.where(scaled >= floor, scaled, _NEG_INF)
+
+
+def draw(logits: jax.Array, seeds: jax.Array, steps: jax.Array) -> jax.Array:
+    """[B] one categorical draw per row, keyed by fold_in(key(seed), step) of that row."""
+    keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(
+        seeds, steps)
+    return jax.vmap(jax.random.categorical)(keys, logits)
+
+
+def _softmax(logits: jax.Array) -> jax.Array:
+    """Softmax of rows whose max is finite; an all -inf row gives zeros instead of NaN."""
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    weights = jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0))
+    return weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-30)

@@ -1,0 +1,342 @@
+"""The engine: one loop that joins the scheduler (host) and the model runner (device).
+
+    step():  plan = scheduler.schedule()      # host: what runs
+             results = runner.execute(plan)   # device: one step, one copy back
+             return self._update(plan, results)  # host: tokens, text, stops, outputs
+
+The engine owns detokenization and stop strings; the scheduler owns token-level stops, pages and
+preemption. `EngineConfig` is the one source of truth for both: it derives the `RunnerConfig` and
+the `SchedulerConfig`, so a knob is declared once.
+
+Text of a running request never ends in a partial stop string: the last `len(longest stop) - 1`
+characters are held back until they can no longer start one.
+
+Not thread-safe: one thread owns an Engine (the gRPC server's engine loop, or `LLM`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import Sequence
+
+import numpy as np
+
+from meshserve.batching.plan import StepPlan
+from meshserve.batching.request import Request
+from meshserve.batching.sampling import SamplingParams
+from meshserve.batching.scheduler import Scheduler, SchedulerConfig
+from meshserve.model.hub import cache_root
+from meshserve.model.runner import (CompileCounter, ModelRunner, RunnerConfig, SampledRows,
+                                    enable_compilation_cache)
+from meshserve.model.tokenizer import IncrementalDecoder, Tokenizer
+from meshserve.serving.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+
+POLICIES = ("continuous", "static")
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Engine knobs. Those marked (compile) change compiled shapes; the rest are host policy."""
+
+    num_pages: int = 512  # (compile) KV pages, page 0 reserved
+    page_size: int = 16  # (compile) tokens per page
+    max_num_seqs: int = 16  # (compile) running sequences, and rows per sub-batch
+    max_num_batched_tokens: int = 512  # new tokens per step, all requests together
+    prefill_chunk: int = 256  # (compile) longest prompt chunk per row per step
+    max_model_len: int | None = None  # (compile) prompt + output per request; None: the
+    # model's context, at most DEFAULT_MAX_MODEL_LEN
+    policy: str = "continuous"  # "continuous" or the "static" baseline
+    max_logprobs: int = 20  # (compile) top logprobs computed each step
+    warmup: bool = True  # compile every bucket at start
+    compilation_cache: bool = True  # keep compiled programs in <cache dir>/xla across runs
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+                raise ValueError(f"{field.name} must be >= 1, got {value}")
+        if self.prefill_chunk > self.max_num_batched_tokens:
+            raise ValueError(f"prefill_chunk ({self.prefill_chunk}) must not exceed "
+                             f"max_num_batched_tokens ({self.max_num_batched_tokens})")
+
+    def for_model(self, model_config) -> "EngineConfig":
+        """This config with `max_model_len` settled against the model's context."""
+        context = model_config.max_position_embeddings
+        if self.max_model_len is None:
+            return dataclasses.replace(self, max_model_len=min(context, DEFAULT_MAX_MODEL_LEN))
+        if self.max_model_len > context:
+            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's context "
+                             f"of {context} positions")
+        return self
+
+    def runner_config(self) -> RunnerConfig:
+        assert self.max_model_len is not None, "call for_model() first"
+        return RunnerConfig(num_pages=self.num_pages, page_size=self.page_size,
+                            max_rows=self.max_num_seqs, max_tokens=self.prefill_chunk,
+                            max_pages_per_seq=-(-self.max_model_len // self.page_size),
+                            max_logprobs=self.max_logprobs)
+
+    def scheduler_config(self, eos_token_ids: Sequence[int]) -> SchedulerConfig:
+        return SchedulerConfig(
+            num_pages=self.num_pages, page_size=self.page_size, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, prefill_chunk=self.prefill_chunk,
+            max_model_len=self.max_model_len, policy=self.policy,
+            token_buckets=self.runner_config().token_buckets,
+            eos_token_ids=tuple(eos_token_ids))
+
+
+@dataclasses.dataclass
+class _Stream:
+    """What the engine tracks per request beyond the scheduler's state."""
+
+    request: Request
+    prompt: str | None
+    decoder: IncrementalDecoder | None
+    text: str = ""  # decoded so far, stop strings not yet cut
+    emitted: int = 0  # characters of `text` already safe to show
+    logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    metrics: RequestMetrics = dataclasses.field(default_factory=RequestMetrics)
+
+
+class Engine:
+    def __init__(self, model, tokenizer: Tokenizer | None, config: EngineConfig = EngineConfig()):
+        self.config = config = config.for_model(model.config)
+        self.tokenizer = tokenizer
+        self.model_config = model.config
+        eos = tokenizer.eos_token_ids if tokenizer is not None else model.config.eos_token_ids
+        self.scheduler = Scheduler(config.scheduler_config(eos))
+        self.runner = ModelRunner(model, config.runner_config())
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self.stats = EngineStats()
+        if config.compilation_cache:
+            enable_compilation_cache(cache_root(None) / "xla")
+        if config.warmup:
+            self.warmup()
+
+    def warmup(self, *, progress: bool = True) -> None:
+        shapes = self.runner.warmup_shapes(max_batched_tokens=self.config.max_num_batched_tokens)
+        with CompileCounter() as compiles:
+            self.runner.warmup(shapes, progress=progress)
+        self.stats.warmup_compiles += compiles.count
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None) -> str:
+        """Queues a request; raises ValueError, naming what to change, if it can never run."""
+        params = params or SamplingParams()
+        prompt_ids, text = self._prompt_ids(prompt)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self._check_stop_ids(params)
+        request = Request(request_id=request_id, prompt_token_ids=prompt_ids, params=params)
+        self.scheduler.add(request)
+        self._streams[request_id] = self._new_stream(request, text)
+        return request_id
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one step; returns an output for every request that advanced or finished."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        started = time.perf_counter()
+        with CompileCounter() as compiles:
+            results = self.runner.execute(plan.sub_batches, plan.sampling)
+        self.stats.record_step(plan, self.runner, time.perf_counter() - started, compiles.count)
+        return self._update(plan, results)
+
+    def abort(self, request_id: str) -> bool:
+        """Frees the request's pages at once. False if it is unknown or already finished."""
+        is_aborted = self.scheduler.abort(request_id)
+        self._streams.pop(request_id, None)
+        return is_aborted
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def shutdown(self) -> None:
+        """Aborts everything still queued or running; the engine is empty afterwards."""
+        for request_id in list(self._streams):
+            self.abort(request_id)
+
+    # -- inputs ---------------------------------------------------------------------------------
+
+    def _prompt_ids(self, prompt) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as token ids")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            text = prompt
+        else:
+            ids, text = [int(t) for t in prompt], None
+        if not ids:
+            raise ValueError("the prompt is empty: it needs at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        return ids, text
+
+    def _check_stop_ids(self, params: SamplingParams) -> None:
+        num_banned = len(params.stop_token_ids) + len(self.scheduler.config.eos_token_ids)
+        if num_banned > self.runner.config.max_stop_ids:
+            raise ValueError(f"{len(params.stop_token_ids)} stop_token_ids is too many: at most "
+                             f"{self.runner.config.max_stop_ids - len(self.scheduler.config.eos_token_ids)}")
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs="
+                             f"{self.config.max_logprobs}")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > self.config.max_logprobs:
+            raise ValueError(f"prompt_logprobs={params.prompt_logprobs} exceeds max_logprobs="
+                             f"{self.config.max_logprobs}")
+
+    def _new_stream(self, request: Request, text: str | None) -> _Stream:
+        decoder = IncrementalDecoder(self.tokenizer) if self.tokenizer is not None else None
+        params = request.params
+        return _Stream(request=request, prompt=text, decoder=decoder,
+                       logprobs=[] if params.logprobs is not None else None,
+                       prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+
+    # -- outputs --------------------------------------------------------------------------------
+
+    def _update(self, plan: StepPlan, results: list[SampledRows]) -> list[RequestOutput]:
+        for ids, rows, samples, batch in zip(plan.row_requests, results, plan.row_samples,
+                                             plan.sub_batches):
+            for r, request_id in enumerate(ids):
+                stream = self._streams.get(request_id)
+                if stream is None or batch.num_new[r] == 0:
+                    continue  # a padding row holding a finished request's seat
+                self._record_prompt_logprobs(stream, rows, r, batch)
+                if samples[r]:
+                    self._record_token(stream, rows, r)
+        touched = self.scheduler.update(plan, [rows.tokens for rows in results])
+        return [self._output(self._streams[req.request_id]) for req in touched
+                if req.request_id in self._streams]
+
+    def _record_token(self, stream: _Stream, rows: SampledRows, r: int) -> None:
+        token = int(rows.tokens[r])
+        stream.metrics.record_token(time.monotonic())
+        if stream.logprobs is not None:
+            stream.logprobs.append(self._logprob_entry(token, float(rows.logprobs[r]),
+                                                       rows.top_ids[r], rows.top_logprobs[r],
+                                                       stream.request.params.logprobs))
+
+    def _record_prompt_logprobs(self, stream: _Stream, rows: SampledRows, r: int, batch) -> None:
+        if stream.prompt_logprobs is None or rows.prompt_logprobs is None:
+            return
+        request, count = stream.request, stream.request.params.prompt_logprobs
+        for t in range(int(batch.num_new[r])):
+            position = int(batch.positions[r, t]) + 1
+            if position != len(stream.prompt_logprobs) or position >= request.num_prompt_tokens:
+                continue  # already recorded before a preemption, or past the prompt
+            stream.prompt_logprobs.append(self._logprob_entry(
+                request.prompt_token_ids[position], float(rows.prompt_logprobs[r, t]),
+                rows.prompt_top_ids[r, t], rows.prompt_top_logprobs[r, t], count))
+
+    def _logprob_entry(self, token: int, logprob: float, top_ids: np.ndarray,
+                       top_logprobs: np.ndarray, count: int) -> dict[int, Logprob]:
+        entry = {token: Logprob(logprob=logprob, rank=_rank(token, top_ids),
+                                decoded_token=self._token_text(token))}
+        for rank, (tid, lp) in enumerate(zip(top_ids[:count], top_logprobs[:count]), start=1):
+            entry.setdefault(int(tid), Logprob(logprob=float(lp), rank=rank,
+                                               decoded_token=self._token_text(int(tid))))
+        return entry
+
+    def _token_text(self, token: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token],
+                                                                        skip_special_tokens=False)
+
+    def _output(self, stream: _Stream) -> RequestOutput:
+        request = stream.request
+        self._advance_text(stream)
+        if request.is_finished:
+            self._streams.pop(request.request_id, None)
+            stream.metrics.finished_time = time.monotonic()
+        visible = stream.text if request.is_finished else stream.text[:stream.emitted]
+        completion = CompletionOutput(
+            index=0, text=visible, token_ids=list(request.output_token_ids),
+            logprobs=stream.logprobs, finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason)
+        stream.metrics.num_preemptions = request.num_preemptions
+        return RequestOutput(
+            request_id=request.request_id, prompt=stream.prompt,
+            prompt_token_ids=list(request.prompt_token_ids),
+            prompt_logprobs=stream.prompt_logprobs, outputs=[completion],
+            finished=request.is_finished, metrics=stream.metrics)
+
+    def _advance_text(self, stream: _Stream) -> None:
+        """Decodes new tokens, cuts at a stop string, and moves the safe-to-show mark."""
+        request = stream.request
+        if stream.decoder is None:
+            return
+        for token in request.output_token_ids[len(stream.decoder.token_ids):]:
+            stream.text += stream.decoder.add(token)
+        if request.is_finished:
+            stream.text += stream.decoder.flush()
+        stop = _find_stop(stream.text, request.params.stop, stream.emitted)
+        if stop is not None and not request.is_finished:
+            self.scheduler.finish(request.request_id, "stop", stop_reason=stop[1])
+        if stop is not None:
+            stream.text = stream.text[:stop[0]]
+        hold = max((len(s) for s in request.params.stop), default=1) - 1
+        stream.emitted = len(stream.text) if request.is_finished else max(
+            stream.emitted, len(stream.text) - hold)
+
+    # -- stats ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters of what the engine computed, for benchmarks and metrics."""
+
+    num_steps: int = 0
+    warmup_compiles: int = 0
+    compiles_after_warmup: int = 0
+    step_seconds: float = 0.0
+    prefill_tokens: int = 0
+    prefill_slots: int = 0  # padded token slots computed for prefill
+    decode_tokens: int = 0
+    decode_slots: int = 0
+
+    def record_step(self, plan: StepPlan, runner: ModelRunner, seconds: float,
+                    compiles: int) -> None:
+        self.num_steps += 1
+        self.step_seconds += seconds
+        self.compiles_after_warmup += compiles
+        for batch in plan.sub_batches:
+            rows, tokens, _ = runner.padded_shape(batch)
+            if tokens == 1:
+                self.decode_tokens += batch.num_tokens
+                self.decode_slots += rows
+            else:
+                self.prefill_tokens += batch.num_tokens
+                self.prefill_slots += rows * tokens
+
+    @property
+    def prefill_padding(self) -> float:
+        return 1 - self.prefill_tokens / self.prefill_slots if self.prefill_slots else 0.0
+
+    @property
+    def decode_padding(self) -> float:
+        return 1 - self.decode_tokens / self.decode_slots if self.decode_slots else 0.0
+
+
+def _find_stop(text: str, stops: Sequence[str], start: int) -> tuple[int, str] | None:
+    """Earliest stop string in `text` that ends after `start - len(stop)`: (index, stop)."""
+    found = []
+    for stop in stops:
+        index = text.find(stop, max(0, start - len(stop) + 1))
+        if index >= 0:
+            found.append((index, stop))
+    return min(found) if found else None
+
+
+def _rank(token: int, top_ids: np.ndarray) -> int | None:
+    matches = np.nonzero(top_ids == token)[0]
+    return int(matches[0]) + 1 if matches.size else None
+

@@ -1,0 +1,83 @@
+"""`meshserve.LLM`: the batch API, shaped like vLLM's offline `LLM` so users can switch.
+
+    llm = LLM(model="smollm2-135m-instruct", max_num_seqs=16)
+    outputs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0.8, max_tokens=32))
+    outputs = llm.chat([{"role": "user", "content": "Hi!"}])
+
+Keyword arguments other than `dtype` and `seed` are `EngineConfig` fields. Requests run through
+the continuous-batching engine (or the static baseline with `policy="static"`); outputs come back
+in the order of the prompts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from meshserve.batching.sampling import SamplingParams
+from meshserve.model.pretrained import load_pretrained
+from meshserve.serving.engine import Engine, EngineConfig
+from meshserve.serving.outputs import RequestOutput
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2-135m-instruct", *, dtype: str = "float32",
+                 seed: int = 0, **engine_config: Any):
+        config = EngineConfig(**engine_config)  # fails fast, before loading weights
+        pretrained = load_pretrained(model, dtype=dtype, seed=seed)
+        self.tokenizer = pretrained.tokenizer
+        self.model_config = pretrained.config
+        self.engine = Engine(pretrained.model, pretrained.tokenizer, config)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        return self._run(ids, use_tqdm=use_tqdm)
+
+    def chat(self, messages: list[dict] | Sequence[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several; each gets the chat template."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(list(c),
+                                                      add_generation_prompt=add_generation_prompt)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], *, use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        return [done[i] for i in ids]
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    if not prompts:
+        raise ValueError("generate() needs at least one prompt")
+    return prompts
+
+
+def _as_params_list(params, count: int) -> list[SamplingParams]:
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} sampling_params for {count} prompts")
+    return params

@@ -1,0 +1,23 @@
+"""meshserve: LLM inference on JAX/XLA.
+
+The import root. `meshserve.LLM`, `meshserve.SamplingParams` and `meshserve.EngineConfig` are
+loaded on first use, so `import meshserve.batching` stays free of jax.
+"""
+
+_EXPORTS = {
+    "LLM": "meshserve.serving.llm",
+    "SamplingParams": "meshserve.batching.sampling",
+    "EngineConfig": "meshserve.serving.engine",
+    "RequestOutput": "meshserve.serving.outputs",
+    "CompletionOutput": "meshserve.serving.outputs",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'meshserve' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -1,0 +1,139 @@
+"""Fake runners for scheduler tests, and the loop that drives a scheduler with one.
+
+`FakeRunner` keeps a fake paged KV cache of token ids: every real row writes its new tokens through
+its page table, then reads its whole context back through it, and its next token is an arithmetic
+function of that context. A wrong page, a token never written, or a page another request wrote over
+changes the output, so "each request's output equals what the rule gives when it runs alone" checks
+the paging as well as the batching. Pages are poisoned when freed, so stale KV cannot pass for
+recomputed KV. No jax anywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from meshserve.batching.plan import StepPlan, SubBatchPlan
+from meshserve.batching.request import Request
+from meshserve.batching.sampling import SamplingParams
+from meshserve.batching.scheduler import Scheduler
+
+VOCAB = 97
+EMPTY = -1
+
+
+def next_token(context: Sequence[int]) -> int:
+    """The arithmetic rule: last token and position, plus a weighted sum of the whole context."""
+    weighted = sum((i + 1) * t for i, t in enumerate(context))
+    return (context[-1] * 7 + len(context) - 1 + weighted) % VOCAB
+
+
+def reference_outputs(prompt: Sequence[int], max_tokens: int) -> list[int]:
+    """What the rule generates for `prompt` alone, with no stop but max_tokens."""
+    context = list(prompt)
+    for _ in range(max_tokens):
+        context.append(next_token(context))
+    return context[len(prompt):]
+
+
+class FakeRunner:
+    def __init__(self, *, num_pages: int, page_size: int):
+        self.page_size = page_size
+        self.kv = np.full((num_pages, page_size), EMPTY, np.int64)
+
+    def run(self, plan: StepPlan) -> list[np.ndarray]:
+        return [self._run_sub_batch(batch) for batch in plan.sub_batches]
+
+    def poison_free_pages(self, scheduler: Scheduler) -> None:
+        free = [p for p in range(1, len(self.kv)) if scheduler.allocator.ref_count(p) == 0]
+        self.kv[free] = EMPTY
+
+    def _run_sub_batch(self, batch: SubBatchPlan) -> np.ndarray:
+        out = np.zeros(batch.num_rows, np.int32)
+        for r in range(batch.num_rows):
+            if batch.num_new[r] == 0:
+                assert batch.kv_lens[r] == 0 and not batch.page_table[r].any(), "bad padding row"
+                continue
+            self._write(batch, r)
+            out[r] = next_token(self._read(batch, r))
+        return out
+
+    def _write(self, batch: SubBatchPlan, r: int) -> None:
+        for j in range(batch.num_new[r]):
+            page, slot = self._slot(batch.page_table[r], batch.positions[r, j])
+            self.kv[page, slot] = batch.tokens[r, j]
+
+    def _read(self, batch: SubBatchPlan, r: int) -> list[int]:
+        context = [int(self.kv[self._slot(batch.page_table[r], pos)])
+                   for pos in range(batch.kv_lens[r])]
+        assert EMPTY not in context, "a row read KV that was never written"
+        return context
+
+    def _slot(self, pages: np.ndarray, position: int) -> tuple[int, int]:
+        page = pages[position // self.page_size]
+        assert page != 0, "a real row reached the dummy page"
+        return page, position % self.page_size
+
+
+class ScriptedRunner:
+    """Returns `script(request_id, output_index)` for every row; for stop tests."""
+
+    def __init__(self, script: Callable[[str, int], int]):
+        self.script = script
+
+    def run(self, plan: StepPlan) -> list[np.ndarray]:
+        return [np.array([self.script(rid, int(step)) for rid, step in zip(ids, sampling.steps)],
+                         np.int32)
+                for ids, sampling in zip(plan.row_requests, plan.sampling)]
+
+    def poison_free_pages(self, scheduler: Scheduler) -> None:
+        pass
+
+
+def check_plan(plan: StepPlan, scheduler: Scheduler) -> None:
+    """The limits every step must respect."""
+    c = scheduler.config
+    assert plan.num_tokens <= c.max_num_batched_tokens, plan.num_tokens
+    ids = [rid for batch_ids, batch in zip(plan.row_requests, plan.sub_batches)
+           for rid, n in zip(batch_ids, batch.num_new) if n > 0]
+    assert len(ids) == len(set(ids)), "a request has two rows in one step"
+    assert sum(b.num_rows for b in plan.sub_batches) <= c.max_num_seqs
+    assert len(plan.sub_batches) <= 2
+    if len(plan.sub_batches) == 2:
+        assert plan.sub_batches[1].tokens.shape[1] == 1, "the decode sub-batch comes second"
+    for batch, samples in zip(plan.sub_batches, plan.row_samples):
+        assert batch.page_table.size == 0 or batch.page_table.max() < c.num_pages
+        assert not np.any(samples & (batch.num_new == 0)), "a padding row samples"
+
+
+def drive(scheduler: Scheduler, runner, *, max_steps: int = 10_000,
+          on_step: Callable[[StepPlan], None] | None = None) -> list[StepPlan]:
+    """Runs the scheduler until it drains, checking the limits and the allocator every step."""
+    plans = []
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished():
+            return plans
+        plan = scheduler.schedule()
+        assert not plan.is_empty, "an idle step with unfinished requests"
+        check_plan(plan, scheduler)
+        scheduler.update(plan, runner.run(plan))
+        scheduler.allocator.check()
+        runner.poison_free_pages(scheduler)
+        if on_step is not None:
+            on_step(plan)
+        plans.append(plan)
+    raise AssertionError(f"the scheduler did not drain in {max_steps} steps")
+
+
+def make_request(request_id: str, prompt_len: int, *, first: int = 1, **params) -> Request:
+    """A request with a deterministic prompt; `params` go to SamplingParams."""
+    prompt = [(first + 3 * i) % VOCAB for i in range(prompt_len)]
+    return Request(request_id, prompt, SamplingParams(**params), arrival_time=0.0)
+
+
+def random_requests(rng: np.random.Generator, num: int, *, max_prompt: int,
+                    max_output: int) -> list[Request]:
+    return [make_request(f"r{i}", int(rng.integers(1, max_prompt + 1)), first=int(rng.integers(97)),
+                         max_tokens=int(rng.integers(1, max_output + 1)), ignore_eos=True)
+            for i in range(num)]
