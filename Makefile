@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast golden clean
+.PHONY: install demo test test-fast clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
@@ -15,8 +15,12 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+DEMO_FLAGS := --max-num-seqs 8 --prefill-chunk 128 --max-num-batched-tokens 256 --max-model-len 512
+
 demo: $(STAMP)
-	$(VENV)/bin/meshserve demo
+	rm -f .cache/demo-results.jsonl
+	$(VENV)/bin/meshserve batch --input serving/examples/demo_prompts.jsonl \
+		--output .cache/demo-results.jsonl --show $(DEMO_FLAGS)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

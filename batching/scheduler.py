@@ -65,6 +65,11 @@ class SchedulerConfig:
     `max_model_len` caps one request's prompt + max_tokens. `token_buckets` are the padded prefill
     lengths the runner compiles; by default powers of two from min(16, prefill_chunk) up to
     `prefill_chunk`. `eos_token_ids` end a request unless it sets `ignore_eos`.
+
+    `bound_padded_prefill` keeps every prefill sub-batch, once padded to its row and token
+    buckets, within `max_num_batched_tokens` (`fits_padded_budget`). The model runner compiles
+    exactly those shapes, so this is on whenever a runner consumes the plans; turning it off
+    plans by real token counts alone.
     """
 
     num_pages: int
@@ -76,6 +81,7 @@ class SchedulerConfig:
     policy: str = "continuous"
     token_buckets: tuple[int, ...] | None = None
     eos_token_ids: tuple[int, ...] = ()
+    bound_padded_prefill: bool = True
 
     def __post_init__(self):
         self._check_sizes()
@@ -443,15 +449,33 @@ class _Draft:
     rows: list[Row] = dataclasses.field(default_factory=list)
     scheduled: set[str] = dataclasses.field(default_factory=set)
     num_preempted: int = 0
+    num_prefill_rows: int = 0
+    longest_prefill: int = 0
 
     def add(self, row: Row) -> None:
         assert 0 < row.num_new <= self.num_free_tokens, (row.num_new, self.num_free_tokens)
         self.rows.append(row)
         self.scheduled.add(row.request.request_id)
         self.num_free_tokens -= row.num_new
+        if not row.is_decode:
+            self.num_prefill_rows += 1
+            self.longest_prefill = max(self.longest_prefill, row.num_new)
 
     def is_scheduled(self, request: Request) -> bool:
         return request.request_id in self.scheduled
+
+    def can_add_prefill(self, num_new: int, config: SchedulerConfig) -> bool:
+        return not config.bound_padded_prefill or fits_padded_budget(self.num_prefill_rows + 1, max(self.longest_prefill, num_new),
+                                  config)
+
+
+def fits_padded_budget(num_rows: int, longest: int, config: SchedulerConfig) -> bool:
+    """Whether a prefill sub-batch of `num_rows` rows, the longest `longest` tokens, stays within
+    the token budget once padded to its buckets. The runner compiles exactly these shapes, so
+    the rule bounds both prefill padding and the compiled set. One row always fits."""
+    tokens = pick_bucket(longest, config.token_buckets)
+    rows = pick_bucket(num_rows, bucket_sizes(config.max_num_seqs))
+    return rows * tokens <= max(config.max_num_batched_tokens, tokens)
 
 
 class ContinuousPolicy:
@@ -476,6 +500,8 @@ class ContinuousPolicy:
             if (request.num_uncomputed == 1) != is_decode:
                 continue
             num_new = self._chunk_len(request, draft)
+            if not is_decode and not draft.can_add_prefill(num_new, self.config):
+                continue  # its chunk waits a step rather than blow up the padded shape
             if num_new > 0 and self._make_room(scheduler, draft, request, num_new):
                 draft.add(Row(request, num_new, is_decode))
 
@@ -492,10 +518,14 @@ class ContinuousPolicy:
         return True
 
     def _admit_waiting(self, scheduler: Scheduler, draft: _Draft) -> None:
-        for request in self._admission_order(scheduler.waiting):
+        for position, request in enumerate(self._admission_order(scheduler.waiting)):
             if scheduler.num_running >= self.config.max_num_seqs or draft.num_free_tokens == 0:
                 return
             num_new = self._chunk_len(request, draft)
+            if not draft.can_add_prefill(num_new, self.config):
+                if position == 0:
+                    return  # nobody overtakes the head of the queue
+                continue
             if not scheduler.reserve_pages(request, num_new):
                 return
             scheduler.start(request)
@@ -545,7 +575,7 @@ class StaticPolicy:
     def _form_batch(self, scheduler: Scheduler) -> list[Request]:
         """Up to max_num_seqs waiting requests, FCFS, each with pages for its whole life."""
         batch = []
-        while scheduler.waiting and len(batch) < self.config.max_num_seqs:
+        while scheduler.waiting and len(batch) < self._max_batch_size():
             request = scheduler.waiting[0]
             if not scheduler.reserve_pages(request, request.max_kv_len):
                 break
@@ -556,10 +586,32 @@ class StaticPolicy:
 
     def _prefill_rows(self) -> list[Row]:
         """One lockstep chunk of every prompt; rows whose prompt is done are padding."""
-        chunk = min(self.config.prefill_chunk,
-                    self.config.max_num_batched_tokens // len(self.batch))
+        chunk = self._lockstep_chunk()
         return [Row(r, min(chunk, _num_prompt_left(r)) if _is_prefilling(r) else 0,
                     is_decode=False) for r in self.batch]
+
+
+    def _max_batch_size(self) -> int:
+        """max_num_seqs, or fewer when even the smallest padded chunk of a full batch would
+        overflow the token budget (finished rows stay on as padding, so the batch cannot shrink
+        to fit later)."""
+        c = self.config
+        if not c.bound_padded_prefill:
+            return c.max_num_seqs
+        fitting = [n for n in range(1, c.max_num_seqs + 1)
+                   if fits_padded_budget(n, c.token_buckets[0], c)]
+        return max(fitting)
+
+    def _lockstep_chunk(self) -> int:
+        """The longest chunk that every row can take in one step within the budget, padded to
+        its buckets when `bound_padded_prefill`."""
+        c = self.config
+        chunk = min(c.prefill_chunk, c.max_num_batched_tokens // len(self.batch))
+        if not c.bound_padded_prefill:
+            return chunk
+        fitting = [t for t in c.token_buckets
+                   if t <= chunk and fits_padded_budget(len(self.batch), t, c)]
+        return max(fitting, default=chunk)
 
 
 def _is_prefilling(request: Request) -> bool:

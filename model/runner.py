@@ -137,13 +137,11 @@ class ModelRunner:
 
     def warmup_shapes(self, *, max_batched_tokens: int) -> list[tuple[int, int, int]]:
         """Every bucket a step may use: decode shapes, then prefill shapes whose padded size
-        `rows * tokens` stays within the padded token budget."""
+        `rows * tokens` stays within the token budget (the scheduler's `fits_padded_budget`)."""
         c = self.config
-        budget = pick_bucket(max_batched_tokens, bucket_sizes(max(max_batched_tokens,
-                                                                  c.max_tokens)))
         decode = [(r, 1, p) for r in c.row_buckets for p in c.page_buckets]
         prefill = [(r, t, p) for r in c.row_buckets for t in c.token_buckets
-                   for p in c.page_buckets if r * t <= max(budget, t)]
+                   for p in c.page_buckets if r * t <= max(max_batched_tokens, t)]
         return decode + prefill
 
     def warmup(self, shapes: Sequence[tuple[int, int, int]], *, progress: bool = True) -> None:

@@ -6,6 +6,7 @@ Subcommands:
              skips the ids already in the output
   demo       `batch` on the shipped example prompts
   roofline   measure this machine's bandwidth and matmul rate, and decode steps against the floor
+  bench      seeded offline workload through the continuous engine and the static baseline
 
 Engine options are generated from `EngineConfig`'s fields, so a knob is declared once and the CLI
 follows it.
@@ -90,9 +91,38 @@ def build_parser() -> argparse.ArgumentParser:
     roof.add_argument("--batch", type=int, action="append",
                       help="decode batch size; repeat for several (default: 1)")
     roof.add_argument("--context", type=int, default=128, help="tokens already in context")
-    for sub in (generate, batch, demo, roof):
+    bench = commands.add_parser("bench", help="continuous vs static batching, side by side")
+    bench.add_argument("--workload", default="chat-mix", help="chat-mix, long or fixed-IxO")
+    bench.add_argument("--num-requests", type=int, default=64)
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--output", type=Path, help="write the results JSON here")
+    for sub in (generate, batch, demo, roof, bench):
         _model_args(sub)
     return parser
+
+
+def run_bench(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
+    from meshserve.serving import bench
+
+    llm = _load(args, needs_tokenizer=False, warmup=False)
+    requests = bench.make_workload(args.workload, num_requests=args.num_requests,
+                                   vocab_size=llm.model_config.vocab_size, seed=args.seed)
+    results = bench.compare_policies(llm.engine.model, llm.engine.config, requests)
+    print(f"{'policy':<11} {'out tok/s':>10} {'req/s':>7} {'prefill pad':>11} {'decode pad':>10} "
+          f"{'preempt':>7} {'recompiles':>10}")
+    for policy in ("continuous", "static"):
+        r = results[policy]
+        print(f"{policy:<11} {r['output_tokens_per_s']:>10.1f} {r['requests_per_s']:>7.2f} "
+              f"{r['prefill_padding']:>11.1%} {r['decode_padding']:>10.1%} "
+              f"{r['preemptions']:>7} {r['compiles_after_warmup']:>10}")
+    print(f"continuous / static output tokens/s: {results['ratio_output_tokens_per_s']:.2f}x")
+    if args.output:
+        command = "meshserve " + " ".join(argv if argv is not None else sys.argv[1:])
+        bench.write_results(args.output, {
+            "command": command, "model": llm.model_config.name, "workload": args.workload,
+            "num_requests": args.num_requests, "seed": args.seed,
+            "engine_config": dataclasses.asdict(llm.engine.config),
+            "environment": bench.environment(), "results": results})
 
 
 def _load(args: argparse.Namespace, *, needs_tokenizer: bool, warmup: bool = True) -> LLM:
@@ -146,13 +176,16 @@ def read_requests(path: Path) -> Iterator[dict[str, Any]]:
     if not path.is_file():
         raise FileNotFoundError(f"batch input {path} does not exist")
     lines = path.read_text(encoding="utf-8").splitlines()
-    entries = []
+    entries, first_line = [], {}
     for number, line in enumerate(lines, start=1):
-        if line.strip():
-            entries.append(_parse_line(line, number, path))
-    ids = [e["id"] for e in entries]
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"{path}: request ids must be unique")
+        if not line.strip():
+            continue
+        entry = _parse_line(line, number, path)
+        if entry["id"] in first_line:
+            raise ValueError(f"{path}:{number}: id {entry['id']!r} is already used on line "
+                             f"{first_line[entry['id']]}")
+        first_line[entry["id"]] = number
+        entries.append(entry)
     return iter(entries)
 
 
@@ -265,6 +298,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "demo":
             with tempfile.TemporaryDirectory() as tmp:
                 run_batch(args, demo_prompts(), Path(tmp) / "results.jsonl", show=True)
+        elif args.command == "bench":
+            run_bench(args, argv)
         else:
             run_roofline(args)
     except (ValueError, FileNotFoundError) as err:

@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from meshserve.batching.plan import StepPlan
-from meshserve.batching.request import Request
+from meshserve.batching.request import Request, RequestStatus
 from meshserve.batching.sampling import SamplingParams
 from meshserve.batching.scheduler import Scheduler, SchedulerConfig
 from meshserve.model.hub import cache_root
@@ -105,13 +105,19 @@ class _Stream:
 
 
 class Engine:
-    def __init__(self, model, tokenizer: Tokenizer | None, config: EngineConfig = EngineConfig()):
+    def __init__(self, model, tokenizer: Tokenizer | None, config: EngineConfig = EngineConfig(),
+                 *, runner: ModelRunner | None = None):
+        """`runner` lets engines of the same shapes share one set of compiled programs (XLA:CPU
+        runs out of memory maps after a few hundred loaded executables)."""
         self.config = config = config.for_model(model.config)
         self.tokenizer = tokenizer
         self.model_config = model.config
         eos = tokenizer.eos_token_ids if tokenizer is not None else model.config.eos_token_ids
         self.scheduler = Scheduler(config.scheduler_config(eos))
-        self.runner = ModelRunner(model, config.runner_config())
+        self.model = model
+        if runner is not None and runner.config != config.runner_config():
+            raise ValueError("a shared runner must have this engine's runner config")
+        self.runner = runner or ModelRunner(model, config.runner_config())
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self.stats = EngineStats()
@@ -184,6 +190,9 @@ class Engine:
         return ids, text
 
     def _check_stop_ids(self, params: SamplingParams) -> None:
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this model has none: use "
+                             "stop_token_ids instead")
         num_banned = len(params.stop_token_ids) + len(self.scheduler.config.eos_token_ids)
         if num_banned > self.runner.config.max_stop_ids:
             raise ValueError(f"{len(params.stop_token_ids)} stop_token_ids is too many: at most "
@@ -279,15 +288,20 @@ class Engine:
         if request.is_finished:
             stream.text += stream.decoder.flush()
         stop = _find_stop(stream.text, request.params.stop, stream.emitted)
-        if stop is not None and not request.is_finished:
-            self.scheduler.finish(request.request_id, "stop", stop_reason=stop[1])
         if stop is not None:
+            self._finish_on_stop_string(request, stop[1])
             stream.text = stream.text[:stop[0]]
         hold = max((len(s) for s in request.params.stop), default=1) - 1
         stream.emitted = len(stream.text) if request.is_finished else max(
             stream.emitted, len(stream.text) - hold)
 
-    # -- stats ----------------------------------------------------------------------------------
+    def _finish_on_stop_string(self, request: Request, stop: str) -> None:
+        if not request.is_finished:
+            self.scheduler.finish(request.request_id, "stop", stop_reason=stop)
+            return
+        # It also hit max_tokens on this token: the stop string is the truer reason, as in vLLM.
+        request.status = RequestStatus.FINISHED_STOPPED
+        request.finish_reason, request.stop_reason = "stop", stop
 
 
 @dataclasses.dataclass

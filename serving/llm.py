@@ -37,7 +37,14 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        ids: list[str] = []
+        try:
+            for prompt, sp in zip(prompts, params):
+                ids.append(self.engine.add_request(prompt, sp))
+        except ValueError:
+            for request_id in ids:  # all or nothing: no earlier prompt stays queued
+                self.engine.abort(request_id)
+            raise
         return self._run(ids, use_tqdm=use_tqdm)
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],

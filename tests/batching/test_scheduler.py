@@ -12,7 +12,7 @@ from tests.batching.fake import (FakeRunner, ScriptedRunner, drive, make_request
 
 def _config(**overrides) -> SchedulerConfig:
     values = dict(num_pages=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=32,
-                  prefill_chunk=16, max_model_len=256)
+                  prefill_chunk=16, max_model_len=256, bound_padded_prefill=False)
     return SchedulerConfig(**(values | overrides))
 
 
@@ -444,3 +444,27 @@ def test_kv_usage_counts_pages_and_empty_slots():
         assert 0 <= usage.num_empty_slots < 8 * max(s.num_running, 1)
 
     drive(s, _runner(s), on_step=check)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_padded_prefill_stays_within_the_budget(seed):
+    """With bound_padded_prefill, every prefill sub-batch padded to its buckets fits the budget,
+    so the runner needs only the shapes it warmed up; outputs are unchanged."""
+    from meshserve.batching.buckets import bucket_sizes, pick_bucket
+
+    config = _config(bound_padded_prefill=True, max_num_batched_tokens=64, prefill_chunk=32)
+    s = Scheduler(config)
+    requests = random_requests(np.random.default_rng(seed), 12, max_prompt=70, max_output=10)
+    for r in requests:
+        s.add(r)
+    rows_buckets = bucket_sizes(config.max_num_seqs)
+
+    def check(plan):
+        for batch in plan.sub_batches:
+            if batch.tokens.shape[1] > 1 or batch.num_tokens > batch.num_rows:
+                rows = pick_bucket(batch.num_rows, rows_buckets)
+                tokens = pick_bucket(batch.tokens.shape[1], config.token_buckets)
+                assert rows * tokens <= max(config.max_num_batched_tokens, tokens)
+
+    drive(s, _runner(s), on_step=check)
+    _assert_reference_outputs(requests)

@@ -103,7 +103,7 @@ def test_prefill_is_lockstep_and_padded_to_the_longest_prompt():
 
 
 def test_prefill_chunks_shrink_to_fit_the_token_budget():
-    s = _static(max_num_seqs=4, max_num_batched_tokens=8, prefill_chunk=8)
+    s = _static(max_num_seqs=4, max_num_batched_tokens=8, prefill_chunk=8, bound_padded_prefill=False)
     for i in range(4):
         s.add(make_request(f"r{i}", 5, max_tokens=1))
     plan = s.schedule()
@@ -139,3 +139,13 @@ def test_an_aborted_member_becomes_padding():
     assert _rows(plan) == [("a", 0, False), ("b", 1, True)]
     drive(s, runner)
     assert b.output_token_ids == reference_outputs(b.prompt_token_ids, 5)
+
+
+def test_batch_shrinks_when_a_full_padded_chunk_cannot_fit():
+    # Token buckets start at 8, so four rows pad to 32 slots against a budget of 8: one row only.
+    s = _static(max_num_seqs=4, max_num_batched_tokens=8, prefill_chunk=8)
+    for i in range(4):
+        s.add(make_request(f"r{i}", 5, max_tokens=1))
+    plan = s.schedule()
+    assert plan.row_requests == (("r0",),)
+    assert plan.sub_batches[0].num_new.tolist() == [5]

@@ -1,0 +1,138 @@
+"""`meshserve.LLM`, the batch API: the lazy import root, prompt and parameter forms, output order.
+
+The fast tests use the tiny random Llama preset (token-id prompts, no tokenizer); the slow ones
+load the real SmolLM2-135M-Instruct for chat and text prompts.
+"""
+
+import subprocess
+import sys
+
+import pytest
+
+from meshserve.serving.llm import LLM as EngineLLM
+
+SMALL = dict(num_pages=64, page_size=16, max_num_seqs=4, max_num_batched_tokens=32,
+             prefill_chunk=16, max_model_len=128, warmup=False, compilation_cache=False)
+PROMPTS = [[5, 6, 7], list(range(10, 40)), [9]]  # the second one is prefilled in two chunks
+
+
+def test_root_exports_load_on_first_use():
+    import meshserve
+    from meshserve import LLM, EngineConfig, SamplingParams
+    from meshserve.batching.sampling import SamplingParams as BatchingSamplingParams
+    from meshserve.serving.engine import EngineConfig as ServingEngineConfig
+
+    assert (LLM, SamplingParams, EngineConfig) == (EngineLLM, BatchingSamplingParams,
+                                                   ServingEngineConfig)
+    with pytest.raises(AttributeError, match="no attribute 'Engine'"):
+        meshserve.Engine  # noqa: B018
+
+
+def test_batching_imports_without_jax():
+    code = ("import importlib, pkgutil, sys\n"
+            "import meshserve, meshserve.batching as batching\n"
+            "for module in pkgutil.iter_modules(batching.__path__):\n"
+            "    importlib.import_module('meshserve.batching.' + module.name)\n"
+            "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)\n"
+            "print(len([m for m in sys.modules if m.startswith('meshserve.batching.')]))\n")
+    result = subprocess.run([sys.executable, "-c", code], check=True, timeout=60,
+                            capture_output=True, text=True)
+    assert int(result.stdout) >= 6  # buckets, pages, plan, request, sampling, scheduler
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from meshserve import LLM
+
+    return LLM("tiny-llama", **SMALL)
+
+
+def _greedy(max_tokens: int):
+    from meshserve import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def test_generate_returns_outputs_in_prompt_order(llm):
+    outputs = llm.generate(PROMPTS, _greedy(6), use_tqdm=False)
+    assert [out.prompt_token_ids for out in outputs] == PROMPTS
+    assert len({out.request_id for out in outputs}) == len(PROMPTS)
+    for out in outputs:
+        assert out.finished and out.prompt is None
+        assert len(out.outputs[0].token_ids) == 6 and out.outputs[0].finish_reason == "length"
+    assert not llm.engine.has_unfinished()
+
+
+def test_one_token_list_is_one_prompt(llm):
+    together = llm.generate(PROMPTS, _greedy(6), use_tqdm=False)
+    (alone,) = llm.generate(PROMPTS[1], _greedy(6), use_tqdm=False)
+    assert alone.prompt_token_ids == PROMPTS[1]
+    assert alone.outputs[0].token_ids == together[1].outputs[0].token_ids
+
+
+def test_sampling_params_per_prompt(llm):
+    outputs = llm.generate(PROMPTS, [_greedy(2), _greedy(7), _greedy(4)], use_tqdm=False)
+    assert [len(out.outputs[0].token_ids) for out in outputs] == [2, 7, 4]
+
+
+def test_sampling_params_list_must_match_the_prompts(llm):
+    with pytest.raises(ValueError, match="got 2 sampling_params for 3 prompts"):
+        llm.generate(PROMPTS, [_greedy(2), _greedy(3)], use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+
+
+def test_no_prompts_is_an_error(llm):
+    with pytest.raises(ValueError, match="at least one prompt"):
+        llm.generate([], use_tqdm=False)
+
+
+def test_text_prompts_need_a_tokenizer(llm):
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate("Hello", use_tqdm=False)
+    with pytest.raises(ValueError, match="no chat template"):
+        llm.chat([{"role": "user", "content": "Hi"}], use_tqdm=False)
+
+
+def test_a_rejected_prompt_leaves_nothing_queued(llm):
+    """generate() either runs all its prompts or none: a bad prompt after good ones fails the call
+    without leaving the good ones in the engine, to run during some later call."""
+    try:
+        with pytest.raises(ValueError, match="no tokenizer"):
+            llm.generate([[5, 6], "Hello"], use_tqdm=False)
+        assert not llm.engine.has_unfinished()
+    finally:
+        llm.engine.shutdown()
+
+
+def test_bad_engine_option_fails_before_loading():
+    from meshserve import LLM
+
+    with pytest.raises(ValueError, match="policy must be one of"):
+        LLM("no-such-model", **(SMALL | dict(policy="fifo")))
+    with pytest.raises(TypeError, match="max_batch"):
+        LLM("tiny-llama", max_batch=4)
+
+
+@pytest.fixture(scope="module")
+def smol_llm(smollm2_files):
+    from meshserve import LLM
+
+    return LLM(str(smollm2_files.path), **(SMALL | dict(max_model_len=256, prefill_chunk=32,
+                                                        max_num_batched_tokens=64)))
+
+
+@pytest.mark.slow
+def test_smollm2_chat_knows_the_capital_of_france(smol_llm):
+    from meshserve import SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=16)
+    (out,) = smol_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                           greedy, use_tqdm=False)
+    assert "Paris" in out.outputs[0].text
+    assert out.prompt.endswith("<|im_start|>assistant\n")
+    prompt = "The capital of France is"
+    (echo,) = smol_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4),
+                                use_tqdm=False)
+    assert echo.prompt == prompt
+    assert echo.prompt_token_ids == smol_llm.tokenizer.encode(prompt, add_special_tokens=True)
+    assert echo.outputs[0].text and len(echo.outputs[0].token_ids) == 4
