@@ -52,6 +52,7 @@ class EngineConfig:
     max_logprobs: int = 20  # (compile) top logprobs computed each step
     warmup: bool = True  # compile every bucket at start
     compilation_cache: bool = True  # keep compiled programs in <cache dir>/xla across runs
+    # (a process-wide JAX setting: once on, it stays on for every engine in the process)
 
     def __post_init__(self):
         if self.policy not in POLICIES:

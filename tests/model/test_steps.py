@@ -120,3 +120,21 @@ def test_bfloat16_model_tracks_float32():
     want = f32.dense(tokens)[0, -1]
     assert out.logits.dtype == np.float32
     np.testing.assert_allclose(out.logits[0], want, atol=0.1 * np.abs(want).max())
+
+
+def test_compile_counter_counts_programs_loaded_from_the_persistent_cache_once(tmp_path):
+    from meshserve.model.runner import enable_compilation_cache
+
+    previous = jax.config.jax_compilation_cache_dir
+    enable_compilation_cache(tmp_path)
+    try:
+        add = lambda n: jax.jit(lambda x: x + n)  # noqa: E731  a fresh function each call
+        with CompileCounter() as first:
+            add(3)(np.ones(7, np.float32)).block_until_ready()
+        jax.clear_caches()
+        with CompileCounter() as second:
+            add(3)(np.ones(7, np.float32)).block_until_ready()
+    finally:
+        jax.config.update("jax_compilation_cache_dir", previous)
+    assert (first.count, first.num_cache_hits) == (1, 0)
+    assert (second.count, second.num_cache_hits) == (1, 1)

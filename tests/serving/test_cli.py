@@ -28,13 +28,15 @@ def test_missing_model_path_is_a_clear_error(capsys, tmp_path):
 
 
 def test_invalid_runner_config_is_a_clear_error(capsys):
-    code = main(["generate", "--model", "tiny-llama", "--prompt", "hi", "--num-pages", "1"])
+    code = main(["generate", "--model", "tiny-llama", "--prompt", "hi", "--num-pages", "1",
+                 "--no-compilation-cache"])
     assert code == 2
     assert "num_pages must be >= 2" in capsys.readouterr().err
 
 
 def test_invalid_policy_is_a_clear_error(capsys):
-    code = main(["generate", "--model", "tiny-llama", "--prompt", "hi", "--policy", "fifo"])
+    code = main(["generate", "--model", "tiny-llama", "--prompt", "hi", "--policy", "fifo",
+                 "--no-compilation-cache"])
     assert code == 2
     assert "policy must be one of" in capsys.readouterr().err
 
@@ -51,5 +53,6 @@ def test_generate_answers_with_smollm2(capsys, smollm2_files):
 
 
 def test_model_without_tokenizer_is_a_clear_error(capsys):
-    assert main(["generate", "--model", "tiny-llama", "--prompt", "hi"]) == 2
+    assert main(["generate", "--model", "tiny-llama", "--prompt", "hi",
+                 "--no-compilation-cache"]) == 2
     assert "has no tokenizer" in capsys.readouterr().err
