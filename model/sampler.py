@@ -124,7 +124,10 @@ def sample(logits: jax.Array, s: DeviceSampling, *, num_top_logprobs: int = 0) -
     top_logprobs, top_ids = jax.lax.top_k(raw, num_top_logprobs)  # [B, K]
     adjusted = mask_banned(apply_penalties(logits, s), s)  # [B, V]
     greedy = jnp.argmax(adjusted, axis=-1)  # [B]
-    drawn = draw(apply_filters(scale(adjusted, s.temperature), s), s.seeds, s.steps)  # [B]
+    # An all-greedy batch skips the sort over the vocabulary that the filters need.
+    drawn = jax.lax.cond(
+        jnp.all(s.temperature <= 0), lambda: greedy,
+        lambda: draw(apply_filters(scale(adjusted, s.temperature), s), s.seeds, s.steps))  # [B]
     tokens = jnp.where(s.temperature <= 0, greedy, drawn).astype(jnp.int32)
     chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]  # [B]
     return Sampled(tokens=tokens, logprobs=chosen, top_ids=top_ids.astype(jnp.int32),
