@@ -60,7 +60,7 @@ def sub_batch_from_rows(rows: Sequence[tuple[Sequence[int], int, Sequence[int]]]
     """
     width = max(len(ids) for ids, _, _ in rows)
     num_pages = max(len(pages) for _, _, pages in rows)
-    plan = _empty_plan(len(rows), width, num_pages, with_targets=targets is not None)
+    plan = empty_sub_batch(len(rows), width, num_pages, with_targets=targets is not None)
     for i, (ids, num_cached, pages) in enumerate(rows):
         n = len(ids)
         assert len(pages) * page_size >= num_cached + n, "row's pages cannot hold its tokens"
@@ -74,7 +74,9 @@ def sub_batch_from_rows(rows: Sequence[tuple[Sequence[int], int, Sequence[int]]]
     return plan
 
 
-def _empty_plan(rows: int, width: int, num_pages: int, *, with_targets: bool) -> SubBatchPlan:
+def empty_sub_batch(rows: int, width: int, num_pages: int, *,
+                    with_targets: bool = False) -> SubBatchPlan:
+    """A sub-batch of padding rows (no new tokens); builders fill it in place."""
     zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
     return SubBatchPlan(
         tokens=zeros(rows, width), positions=zeros(rows, width), num_new=zeros(rows),

@@ -98,10 +98,6 @@ class ModelConfig:
         per_layer += (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         return v * d + self.max_position_embeddings * d + self.num_layers * per_layer + 2 * d
 
-    @property
-    def num_queries_per_kv(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 

@@ -26,7 +26,7 @@ from flax import nnx
 from meshserve.batching.buckets import bucket_sizes, pick_bucket
 from tqdm.auto import tqdm
 
-from meshserve.batching.plan import SamplingArrays, SubBatchPlan, greedy_sampling
+from meshserve.batching.plan import SamplingArrays, SubBatchPlan, empty_sub_batch, greedy_sampling
 from meshserve.model.attention import KVCache, SubBatch, init_kv_cache
 from meshserve.model.sampler import DeviceSampling, device_sampling
 from meshserve.model.steps import sample_step
@@ -66,10 +66,6 @@ class RunnerConfig:
     @property
     def page_buckets(self) -> tuple[int, ...]:
         return bucket_sizes(self.max_pages_per_seq, min_size=min(4, self.max_pages_per_seq))
-
-    @property
-    def max_context(self) -> int:
-        return self.max_pages_per_seq * self.page_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +143,7 @@ class ModelRunner:
     def warmup(self, shapes: Sequence[tuple[int, int, int]], *, progress: bool = True) -> None:
         """Compiles the step for each bucket shape, running padding rows only."""
         for shape in tqdm(shapes, desc="warming up", unit="bucket", disable=not progress):
-            self.execute([_padding_plan(*shape)])
+            self.execute([empty_sub_batch(*shape)])
 
 
 def pad_sub_batch(plan: SubBatchPlan, shape: tuple[int, int, int]) -> SubBatch:
@@ -171,12 +167,6 @@ def _pad_to(array: np.ndarray, width: int | None = None, *, rows: int) -> np.nda
     if width is not None:
         pad.append((0, width - array.shape[1]))
     return np.pad(array.astype(np.int32), pad)
-
-
-def _padding_plan(rows: int, tokens: int, pages: int) -> SubBatchPlan:
-    zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
-    return SubBatchPlan(tokens=zeros(rows, tokens), positions=zeros(rows, tokens),
-                        num_new=zeros(rows), kv_lens=zeros(rows), page_table=zeros(rows, pages))
 
 
 def _unpad(out, plan: SubBatchPlan) -> SampledRows:

@@ -31,7 +31,7 @@ from typing import Any, Iterator, Sequence
 from tqdm.auto import tqdm
 
 from meshserve.batching.sampling import SamplingParams
-from meshserve.model.config import bytes_per_element
+from meshserve.model.config import weight_bytes
 from meshserve.model.hub import DEFAULT_MODEL
 from meshserve.serving import roofline
 from meshserve.serving.engine import EngineConfig
@@ -280,7 +280,7 @@ def run_roofline(args: argparse.Namespace) -> None:
     runner, config = llm.engine.runner, llm.model_config
     machine = roofline.measure_machine()
     print(f"bandwidth {machine.bandwidth / 1e9:.1f} GB/s, matmul {machine.matmul_rate / 1e9:.1f} "
-          f"GFLOP/s, weights {config.num_params * bytes_per_element(config.dtype) / 1e6:.0f} MB")
+          f"GFLOP/s, weights {weight_bytes(config) / 1e6:.0f} MB")
     print(f"{'batch':>5} {'step ms':>9} {'floor ms':>9} {'floor/step':>10}")
     for batch in args.batch or [1]:
         step = roofline.measure_decode_step(runner, batch=batch, context=args.context)

@@ -141,7 +141,7 @@ class Engine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        self._check_stop_ids(params)
+        self._check_limits(params)
         request = Request(request_id=request_id, prompt_token_ids=prompt_ids, params=params)
         self.scheduler.add(request)
         self._streams[request_id] = self._new_stream(request, text)
@@ -190,7 +190,7 @@ class Engine:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
         return ids, text
 
-    def _check_stop_ids(self, params: SamplingParams) -> None:
+    def _check_limits(self, params: SamplingParams) -> None:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none: use "
                              "stop_token_ids instead")

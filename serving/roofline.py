@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshserve.batching.plan import sub_batch_from_rows
-from meshserve.model.config import ModelConfig, bytes_per_element, kv_bytes_per_token
+from meshserve.model.config import ModelConfig, kv_bytes_per_token, weight_bytes
 from meshserve.model.runner import ModelRunner
 
 
@@ -68,8 +68,7 @@ def measure_machine() -> Machine:
 
 def decode_floor(config: ModelConfig, machine: Machine, *, batch: int, context: int) -> float:
     """Seconds one decode step of `batch` sequences of `context` tokens cannot beat."""
-    weight_bytes = config.num_params * bytes_per_element(config.dtype)
-    weights = max(weight_bytes / machine.bandwidth,
+    weights = max(weight_bytes(config) / machine.bandwidth,
                   2 * batch * config.num_params / machine.matmul_rate)
     return weights + batch * context * kv_bytes_per_token(config) / machine.bandwidth
 
