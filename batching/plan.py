@@ -10,7 +10,8 @@ host ignores it (`StepPlan.row_samples` says which rows' tokens count).
 
 Invariants (asserted): all arrays int32; a row's new tokens sit at positions
 `kv_lens - num_new ... kv_lens - 1`; its page table covers `kv_lens` tokens; page 0 is never a
-real page.
+real page. With data parallelism each row belongs to one replica (`replicas`), and its page ids
+are that replica's own (every replica has its own pages 1..P-1 and its own dummy page 0).
 
 This module imports numpy only.
 """
@@ -31,6 +32,7 @@ class SubBatchPlan:
     kv_lens: np.ndarray  # [B] context length after this step
     page_table: np.ndarray  # [B, M] pages of each row, 0 past its last page
     targets: np.ndarray | None = None  # [B, T] next tokens whose logprobs are wanted
+    replicas: np.ndarray | None = None  # [B] data-parallel replica of each row; None: all 0
 
     def __post_init__(self):
         rows, width = self.tokens.shape
@@ -38,6 +40,7 @@ class SubBatchPlan:
         assert self.num_new.shape == (rows,) and self.kv_lens.shape == (rows,)
         assert self.page_table.shape[0] == rows
         assert self.targets is None or self.targets.shape == (rows, width)
+        assert self.replicas is None or self.replicas.shape == (rows,)
         assert np.all(self.num_new <= width) and np.all(self.num_new <= self.kv_lens)
 
     @property

@@ -62,6 +62,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    replica: int = 0  # the data-parallel replica whose pages it holds (set on admission)
     seed: int = dataclasses.field(init=False)
 
     def __post_init__(self):

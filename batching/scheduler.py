@@ -31,6 +31,14 @@ in lockstep chunks padded to the longest prompt, then decodes until its longest 
 finished request keeps its row as padding, so the batch never shrinks, and nothing joins until the
 whole batch is done.
 
+Data parallelism (`num_replicas` > 1): every replica has its own page pool, seats, and token
+budget, each sized as one replica's `num_pages`, `max_num_seqs` and `max_num_batched_tokens`. The
+waiting queue is shared. A request is placed on a replica when it is admitted: the least loaded
+one by tokens held (ties: the lowest index) among those with a free seat, budget and pages for its
+first chunk. A preempted request frees its pages and may be placed elsewhere next time. Preemption
+picks its victim on the needy request's own replica, since only that frees the right pages. Static
+batching forms one batch per replica.
+
 Plan layout: all prefill rows in one sub-batch, all decode rows (running requests with one token
 left) in another, in that order, either absent when empty. A padding row has `num_new = 0`,
 `kv_lens = 0` and no pages; it carries the id of the request whose seat it holds and never samples.
@@ -82,8 +90,11 @@ class SchedulerConfig:
     token_buckets: tuple[int, ...] | None = None
     eos_token_ids: tuple[int, ...] = ()
     bound_padded_prefill: bool = True
+    num_replicas: int = 1
 
     def __post_init__(self):
+        if not _is_int(self.num_replicas) or self.num_replicas < 1:
+            raise ValueError(f"num_replicas must be an int >= 1, got {self.num_replicas!r}")
         self._check_sizes()
         self._check_budget()
         if self.policy not in POLICY_NAMES:
@@ -185,12 +196,26 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.allocator = PageAllocator(config.num_pages)
+        self.allocators = [PageAllocator(config.num_pages) for _ in range(config.num_replicas)]
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # in admission order: the last is the newest
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._num_preemptions = 0
         self._policy: Policy = _POLICIES[config.policy](config)
+
+    @property
+    def allocator(self) -> PageAllocator:
+        """The page allocator, without data parallelism (one replica)."""
+        assert len(self.allocators) == 1, "with several replicas, use allocators[replica]"
+        return self.allocators[0]
+
+    def running_on(self, replica: int) -> list[Request]:
+        """The running requests placed on `replica`, oldest first."""
+        return [r for r in self.running if r.replica == replica]
+
+    def replica_load(self, replica: int) -> int:
+        """Tokens held by the requests running on `replica`: what placement balances."""
+        return sum(r.num_tokens for r in self.running if r.replica == replica)
 
     @property
     def num_waiting(self) -> int:
@@ -222,7 +247,8 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         return build_plan(self._policy.pick_rows(self), page_size=self.config.page_size,
-                          eos_token_ids=self.config.eos_token_ids)
+                          eos_token_ids=self.config.eos_token_ids,
+                          num_replicas=self.config.num_replicas)
 
     def update(self, plan: StepPlan, tokens: Sequence[np.ndarray]) -> list[Request]:
         """Applies a step's sampled tokens (one [B] array per sub-batch).
@@ -267,11 +293,16 @@ class Scheduler:
         """Cancels a waiting or running request; its pages are free when this returns."""
         return self.finish(request_id, RequestStatus.FINISHED_ABORTED)
 
-    def kv_usage(self) -> KVUsage:
-        used = self.allocator.num_used
-        return KVUsage(num_used_pages=used, num_peak_used_pages=self.allocator.num_peak_used,
-                       num_total_pages=self.allocator.num_total,
-                       num_filled_slots=sum(r.num_computed_tokens for r in self.running),
+    def kv_usage(self, replica: int | None = None) -> KVUsage:
+        """Occupancy of one replica's pages, or of all replicas together (None)."""
+        replicas = range(len(self.allocators)) if replica is None else [replica]
+        allocators = [self.allocators[r] for r in replicas]
+        used = sum(a.num_used for a in allocators)
+        return KVUsage(num_used_pages=used,
+                       num_peak_used_pages=sum(a.num_peak_used for a in allocators),
+                       num_total_pages=sum(a.num_total for a in allocators),
+                       num_filled_slots=sum(r.num_computed_tokens for r in self.running
+                                            if r.replica in replicas),
                        num_allocated_slots=used * self.config.page_size)
 
     # What the policies use to change the queues.
@@ -281,7 +312,7 @@ class Scheduler:
         missing = num_pages_for(num_tokens, self.config.page_size) - len(request.pages)
         if missing <= 0:
             return True
-        pages = self.allocator.allocate(missing)
+        pages = self.allocators[request.replica].allocate(missing)
         if pages is None:
             return False
         request.pages.extend(pages)
@@ -304,7 +335,7 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _release_pages(self, request: Request) -> None:
-        self.allocator.free(request.pages)
+        self.allocators[request.replica].free(request.pages)
         request.pages = []
 
     def _append_output(self, request: Request, token: int) -> None:
@@ -324,10 +355,10 @@ class Scheduler:
                 f"({request.params.max_tokens}) = {total} exceeds max_model_len "
                 f"({c.max_model_len}); shorten the prompt or lower max_tokens")
         num_pages = num_pages_for(request.max_kv_len, c.page_size)
-        if num_pages > self.allocator.num_total:
+        if num_pages > self.allocators[0].num_total:
             raise ValueError(
                 f"request {rid!r} needs {num_pages} KV pages of {c.page_size} tokens, but the "
-                f"cache has {self.allocator.num_total}; shorten it or give the cache more pages")
+                f"cache has {self.allocators[0].num_total}; shorten it or give the cache more pages")
 
 
 def stop_status(request: Request, eos_token_ids: Sequence[int]
@@ -350,23 +381,27 @@ def stop_status(request: Request, eos_token_ids: Sequence[int]
 
 # The step plan, built from the rows a policy picked.
 
-def build_plan(rows: Sequence[Row], *, page_size: int, eos_token_ids: Sequence[int] = ()
-               ) -> StepPlan:
+def build_plan(rows: Sequence[Row], *, page_size: int, eos_token_ids: Sequence[int] = (),
+               num_replicas: int = 1) -> StepPlan:
     """One prefill sub-batch, then one decode sub-batch; an empty one is left out."""
     prefill = [row for row in rows if not row.is_decode]
     decode = [row for row in rows if row.is_decode]
     groups = [group for group in (prefill, decode) if group]
     return StepPlan(
-        sub_batches=tuple(_sub_batch(group, page_size) for group in groups),
+        sub_batches=tuple(_sub_batch(group, page_size, num_replicas) for group in groups),
         sampling=tuple(sampling_arrays(group, eos_token_ids=eos_token_ids) for group in groups),
         row_requests=tuple(tuple(row.request.request_id for row in group) for group in groups),
         row_samples=tuple(np.array([row.is_sampled for row in group], bool) for group in groups),
     )
 
 
-def _sub_batch(rows: Sequence[Row], page_size: int) -> SubBatchPlan:
+def _sub_batch(rows: Sequence[Row], page_size: int, num_replicas: int) -> SubBatchPlan:
     inputs = [_row_inputs(row, page_size) for row in rows]
-    return sub_batch_from_rows(inputs, page_size=page_size, targets=_prompt_targets(rows))
+    plan = sub_batch_from_rows(inputs, page_size=page_size, targets=_prompt_targets(rows))
+    if num_replicas == 1:
+        return plan
+    replicas = np.array([row.request.replica for row in rows], np.int32)
+    return dataclasses.replace(plan, replicas=replicas)
 
 
 def _row_inputs(row: Row, page_size: int) -> tuple[list[int], int, list[int]]:
@@ -485,20 +520,22 @@ class ContinuousPolicy:
         self.config = config
 
     def pick_rows(self, scheduler: Scheduler) -> list[Row]:
-        draft = _Draft(num_free_tokens=self.config.max_num_batched_tokens)
-        self._continue_running(scheduler, draft, is_decode=True)
-        self._continue_running(scheduler, draft, is_decode=False)
-        if draft.num_preempted == 0:
-            self._admit_waiting(scheduler, draft)
-        return draft.rows
+        drafts = [_Draft(num_free_tokens=self.config.max_num_batched_tokens)
+                  for _ in range(self.config.num_replicas)]
+        self._continue_running(scheduler, drafts, is_decode=True)
+        self._continue_running(scheduler, drafts, is_decode=False)
+        self._admit_waiting(scheduler, drafts)
+        return [row for draft in drafts for row in draft.rows]
 
-    def _continue_running(self, scheduler: Scheduler, draft: _Draft, *, is_decode: bool) -> None:
+    def _continue_running(self, scheduler: Scheduler, drafts: list[_Draft], *,
+                          is_decode: bool) -> None:
         """Schedules the running requests that are decoding (or mid-prompt), oldest first."""
         for request in list(scheduler.running):
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this pass
                 continue
             if (request.num_uncomputed == 1) != is_decode:
                 continue
+            draft = drafts[request.replica]
             num_new = self._chunk_len(request, draft)
             if not is_decode and not draft.can_add_prefill(num_new, self.config):
                 continue  # its chunk waits a step rather than blow up the padded shape
@@ -507,29 +544,45 @@ class ContinuousPolicy:
 
     def _make_room(self, scheduler: Scheduler, draft: _Draft, request: Request,
                    num_new: int) -> bool:
-        """Reserves pages for the request's next `num_new` tokens, preempting the newest running
-        request not yet in this step until they fit. False if the request preempted itself."""
+        """Reserves pages for the request's next `num_new` tokens, preempting the newest request
+        running on its replica and not yet in this step until they fit. False if the request
+        preempted itself."""
         while not scheduler.reserve_pages(request, request.num_computed_tokens + num_new):
-            victim = next(r for r in reversed(scheduler.running) if not draft.is_scheduled(r))
+            victim = next(r for r in reversed(scheduler.running)
+                          if r.replica == request.replica and not draft.is_scheduled(r))
             scheduler.preempt(victim)
             draft.num_preempted += 1
             if victim is request:
                 return False
         return True
 
-    def _admit_waiting(self, scheduler: Scheduler, draft: _Draft) -> None:
+    def _admit_waiting(self, scheduler: Scheduler, drafts: list[_Draft]) -> None:
+        """Admits waiting requests in `_admission_order`, each on the least loaded replica that
+        can take it. A replica that preempted this step admits nobody."""
+        seats = [len(scheduler.running_on(r)) for r in range(len(drafts))]
         for position, request in enumerate(self._admission_order(scheduler.waiting)):
-            if scheduler.num_running >= self.config.max_num_seqs or draft.num_free_tokens == 0:
+            open_replicas = [r for r, d in enumerate(drafts)
+                             if seats[r] < self.config.max_num_seqs and d.num_free_tokens > 0
+                             and d.num_preempted == 0]
+            if not open_replicas:
                 return
-            num_new = self._chunk_len(request, draft)
-            if not draft.can_add_prefill(num_new, self.config):
-                if position == 0:
-                    return  # nobody overtakes the head of the queue
-                continue
-            if not scheduler.reserve_pages(request, num_new):
-                return
-            scheduler.start(request)
-            draft.add(Row(request, num_new, is_decode=False))
+            placed, short_of_pages = False, False
+            for replica in sorted(open_replicas, key=lambda r: (scheduler.replica_load(r), r)):
+                draft = drafts[replica]
+                num_new = self._chunk_len(request, draft)
+                if not draft.can_add_prefill(num_new, self.config):
+                    continue
+                request.replica = replica
+                if not scheduler.reserve_pages(request, num_new):
+                    short_of_pages = True
+                    continue
+                scheduler.start(request)
+                draft.add(Row(request, num_new, is_decode=False))
+                seats[replica] += 1
+                placed = True
+                break
+            if not placed and (position == 0 or short_of_pages):
+                return  # nobody overtakes the head of the queue, nor a request short of pages
 
     def _admission_order(self, waiting: collections.deque[Request]) -> list[Request]:
         """The head first; then, among the next `admission_lookahead` requests, those in the head's
@@ -561,22 +614,28 @@ class StaticPolicy:
 
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.batch: list[Request] = []  # the members, finished ones included, in seat order
+        # Per replica: the members, finished ones included, in seat order.
+        self.batches: list[list[Request]] = [[] for _ in range(config.num_replicas)]
 
     def pick_rows(self, scheduler: Scheduler) -> list[Row]:
-        if all(r.is_finished for r in self.batch):
-            self.batch = self._form_batch(scheduler)
-        if not self.batch:
-            return []
-        if any(_is_prefilling(r) for r in self.batch):
-            return self._prefill_rows()
-        return [Row(r, 0 if r.is_finished else 1, is_decode=True) for r in self.batch]
+        rows = []
+        for replica, batch in enumerate(self.batches):
+            if all(r.is_finished for r in batch):
+                batch = self.batches[replica] = self._form_batch(scheduler, replica)
+            if not batch:
+                continue
+            if any(_is_prefilling(r) for r in batch):
+                rows += self._prefill_rows(batch)
+            else:
+                rows += [Row(r, 0 if r.is_finished else 1, is_decode=True) for r in batch]
+        return rows
 
-    def _form_batch(self, scheduler: Scheduler) -> list[Request]:
+    def _form_batch(self, scheduler: Scheduler, replica: int) -> list[Request]:
         """Up to max_num_seqs waiting requests, FCFS, each with pages for its whole life."""
         batch = []
         while scheduler.waiting and len(batch) < self._max_batch_size():
             request = scheduler.waiting[0]
+            request.replica = replica
             if not scheduler.reserve_pages(request, request.max_kv_len):
                 break
             scheduler.start(request)
@@ -584,12 +643,11 @@ class StaticPolicy:
         assert batch or not scheduler.waiting, "an empty cache holds any request that passed add"
         return batch
 
-    def _prefill_rows(self) -> list[Row]:
+    def _prefill_rows(self, batch: list[Request]) -> list[Row]:
         """One lockstep chunk of every prompt; rows whose prompt is done are padding."""
-        chunk = self._lockstep_chunk()
+        chunk = self._lockstep_chunk(len(batch))
         return [Row(r, min(chunk, _num_prompt_left(r)) if _is_prefilling(r) else 0,
-                    is_decode=False) for r in self.batch]
-
+                    is_decode=False) for r in batch]
 
     def _max_batch_size(self) -> int:
         """max_num_seqs, or fewer when even the smallest padded chunk of a full batch would
@@ -602,15 +660,15 @@ class StaticPolicy:
                    if fits_padded_budget(n, c.token_buckets[0], c)]
         return max(fitting)
 
-    def _lockstep_chunk(self) -> int:
+    def _lockstep_chunk(self, num_rows: int) -> int:
         """The longest chunk that every row can take in one step within the budget, padded to
         its buckets when `bound_padded_prefill`."""
         c = self.config
-        chunk = min(c.prefill_chunk, c.max_num_batched_tokens // len(self.batch))
+        chunk = min(c.prefill_chunk, c.max_num_batched_tokens // num_rows)
         if not c.bound_padded_prefill:
             return chunk
         fitting = [t for t in c.token_buckets
-                   if t <= chunk and fits_padded_budget(len(self.batch), t, c)]
+                   if t <= chunk and fits_padded_budget(num_rows, t, c)]
         return max(fitting, default=chunk)
 
 

@@ -7,7 +7,15 @@ makes one device-to-host copy per step (sampled tokens and their logprobs).
 The buckets come from one function, `bucket_sizes`, used both by `warmup` and at run time.
 
 Padding rows have `num_new = 0` and `kv_lens = 0`: they write to the dummy page 0 and their outputs
-are dropped. Knobs that change compiled shapes (and so cost a compile each): the bucket sets,
+are dropped.
+
+Placement comes from a `DeviceLayout` (built by `meshserve.sharding.layout`): the weights, the KV
+pages and the per-row arrays go to the devices already sharded, and the step runs under
+`jax.shard_map` over the replica axes, so each data-parallel replica computes its own rows against
+its own slice of the page pool while XLA partitions the tensor-parallel axes inside. Rows of
+replica r sit in block r of every sub-batch, each block padded to the same row bucket; page ids in
+a plan are local to the row's replica (each replica has its own dummy page 0). Without a layout the
+step runs on the default device. Knobs that change compiled shapes (and so cost a compile each): the bucket sets,
 `num_pages`, `page_size`, and whether prompt logprobs are asked for.
 """
 
@@ -18,13 +26,16 @@ import functools
 from pathlib import Path
 from typing import Sequence
 
+from typing import Any, Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from tqdm.auto import tqdm
 
 from meshserve.batching.buckets import bucket_sizes, pick_bucket
-from tqdm.auto import tqdm
 
 from meshserve.batching.plan import SamplingArrays, SubBatchPlan, empty_sub_batch, greedy_sampling
 from meshserve.model.attention import KVCache, SubBatch, init_kv_cache
@@ -69,6 +80,21 @@ class RunnerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DeviceLayout:
+    """Where the runner's arrays live and how its step is partitioned."""
+
+    mesh: Mesh
+    params: Any  # a NamedSharding per weight: a pytree prefix of the params state
+    cache: NamedSharding  # K and V [L, K, P, S, h]
+    rows: NamedSharding  # the leading axis of every per-row step array
+    cache_manual: PartitionSpec  # the cache's spec over the replica axes (shard_map)
+    rows_manual: PartitionSpec  # the rows' spec over the replica axes (shard_map)
+    replica_axes: tuple[str, ...]  # mesh axes the step is mapped over; () for none
+    num_replicas: int
+    constrain: Callable[[jax.Array, tuple[str, ...]], jax.Array] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class SampledRows:
     """Host copy of one sub-batch's result, padding removed."""
 
@@ -82,23 +108,34 @@ class SampledRows:
 
 
 class ModelRunner:
-    def __init__(self, model: nnx.Module, config: RunnerConfig = RunnerConfig()):
+    """`config.num_pages` and `config.max_rows` are per replica."""
+
+    def __init__(self, model: nnx.Module, config: RunnerConfig = RunnerConfig(),
+                 layout: DeviceLayout | None = None):
         self.model_config = model.config
         self.config = config
-        self.graphdef, self.params = nnx.split(model)
+        self.layout = layout
+        self.num_replicas = layout.num_replicas if layout is not None else 1
+        self.graphdef, params = nnx.split(model)
+        self.params = params if layout is None else jax.device_put(params, layout.params)
         c = model.config
-        self.cache: KVCache = init_kv_cache(
-            num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, num_pages=config.num_pages,
-            page_size=config.page_size, head_dim=c.head_dim, dtype=jnp.dtype(c.dtype))
-        step = functools.partial(sample_step, self.graphdef, num_top_logprobs=config.max_logprobs)
-        self._step = jax.jit(step, donate_argnums=(1,))
+        init = functools.partial(
+            init_kv_cache, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
+            num_pages=config.num_pages * self.num_replicas, page_size=config.page_size,
+            head_dim=c.head_dim, dtype=jnp.dtype(c.dtype))
+        self.cache: KVCache = init() if layout is None else jax.jit(
+            init, out_shardings=layout.cache)()
+        step = functools.partial(sample_step, self.graphdef, num_top_logprobs=config.max_logprobs,
+                                 constrain=None if layout is None else layout.constrain)
+        self._step = _compile(step, layout)
 
     def padded_shape(self, plan: SubBatchPlan) -> tuple[int, int, int]:
-        """The bucket `(rows, tokens, pages)` that `plan` runs at."""
-        rows, width = plan.tokens.shape
+        """The bucket `(rows per replica, tokens, pages)` that `plan` runs at."""
+        rows = np.bincount(_replicas(plan), minlength=self.num_replicas).max()
         c = self.config
+        width = plan.tokens.shape[1]
         tokens = 1 if width == 1 else pick_bucket(width, c.token_buckets)
-        return (pick_bucket(rows, c.row_buckets), tokens,
+        return (pick_bucket(int(rows), c.row_buckets), tokens,
                 pick_bucket(plan.page_table.shape[1], c.page_buckets))
 
     def execute(self, sub_batches: Sequence[SubBatchPlan],
@@ -111,25 +148,39 @@ class ModelRunner:
         """
         if sampling is None:
             sampling = [greedy_sampling(b.num_rows) for b in sub_batches]
-        outputs = [self._dispatch(plan, s) for plan, s in zip(sub_batches, sampling)]
-        host = jax.device_get(outputs)  # the step's one device-to-host copy
-        return [_unpad(o, p) for o, p in zip(host, sub_batches)]
+        dispatched = [self._dispatch(plan, s) for plan, s in zip(sub_batches, sampling)]
+        host = jax.device_get([out for out, _ in dispatched])  # the step's one copy to the host
+        return [_unpad(o, p, index) for o, p, (_, index) in zip(host, sub_batches, dispatched)]
 
     def _dispatch(self, plan: SubBatchPlan, sampling: SamplingArrays):
         shape = self.padded_shape(plan)
-        batch = pad_sub_batch(plan, shape)
-        device = self._device_sampling(sampling, shape)
+        index = self.row_index(plan, shape[0])
+        rows = shape[0] * self.num_replicas
+        sharding = None if self.layout is None else self.layout.rows
+        batch = pad_sub_batch(plan, (rows, *shape[1:]), index=index, sharding=sharding)
+        device = self._device_sampling(sampling, rows, shape[2], index, sharding)
         (out,), self.cache = self._step(self.params, self.cache, (batch,), (device,))
-        return out
+        return out, index
 
-    def _device_sampling(self, s: SamplingArrays, shape: tuple[int, int, int]) -> DeviceSampling:
-        rows, _, pages = shape
+    def row_index(self, plan: SubBatchPlan, rows_per_replica: int) -> np.ndarray:
+        """Where each plan row sits in the padded sub-batch: block r holds replica r's rows."""
+        replicas = _replicas(plan)
+        assert replicas.max(initial=0) < self.num_replicas, "a row names a replica out of range"
+        index = np.empty(plan.num_rows, np.int64)
+        for r in range(self.num_replicas):
+            (mine,) = np.nonzero(replicas == r)
+            index[mine] = r * rows_per_replica + np.arange(mine.size)
+        return index
+
+    def _device_sampling(self, s: SamplingArrays, rows: int, pages: int, index: np.ndarray,
+                         sharding) -> DeviceSampling:
         if s.banned_ids is not None and s.banned_ids.shape[1] > self.config.max_stop_ids:
             raise ValueError(f"{s.banned_ids.shape[1]} stop token ids exceed max_stop_ids="
                              f"{self.config.max_stop_ids}")
         return device_sampling(s, min_tokens=s.min_tokens, banned_ids=s.banned_ids, rows=rows,
                                history_width=pages * self.config.page_size,
-                               banned_width=self.config.max_stop_ids)
+                               banned_width=self.config.max_stop_ids, index=index,
+                               sharding=sharding)
 
     def warmup_shapes(self, *, max_batched_tokens: int) -> list[tuple[int, int, int]]:
         """Every bucket a step may use: decode shapes, then prefill shapes whose padded size
@@ -142,42 +193,69 @@ class ModelRunner:
 
     def warmup(self, shapes: Sequence[tuple[int, int, int]], *, progress: bool = True) -> None:
         """Compiles the step for each bucket shape, running padding rows only."""
-        for shape in tqdm(shapes, desc="warming up", unit="bucket", disable=not progress):
-            self.execute([empty_sub_batch(*shape)])
+        for rows, tokens, pages in tqdm(shapes, desc="warming up", unit="bucket",
+                                        disable=not progress):
+            empty = empty_sub_batch(rows * self.num_replicas, tokens, pages)
+            replicas = np.repeat(np.arange(self.num_replicas, dtype=np.int32), rows)
+            self.execute([dataclasses.replace(empty, replicas=replicas)])
 
 
-def pad_sub_batch(plan: SubBatchPlan, shape: tuple[int, int, int]) -> SubBatch:
-    """Device arrays of `plan` padded to the bucket `(rows, tokens, pages)`.
+def pad_sub_batch(plan: SubBatchPlan, shape: tuple[int, int, int], *,
+                  index: np.ndarray | None = None, sharding=None) -> SubBatch:
+    """Device arrays of `plan` padded to the bucket `(rows, tokens, pages)`, plan row i at padded
+    row `index[i]` (default: in order).
 
     One `device_put` moves the whole sub-batch; `jnp.asarray` would compile a conversion per new
     shape.
     """
     rows, tokens, pages = shape
-    pad = functools.partial(_pad_to, rows=rows)
+    index = np.arange(plan.num_rows) if index is None else index
+    pad = functools.partial(_pad_to, rows=rows, index=index)
     return jax.device_put(SubBatch(
         tokens=pad(plan.tokens, tokens), positions=pad(plan.positions, tokens),
         num_new=pad(plan.num_new), kv_lens=pad(plan.kv_lens),
         page_table=pad(plan.page_table, pages),
         targets=None if plan.targets is None else pad(plan.targets, tokens),
-    ))
+    ), sharding)
 
 
-def _pad_to(array: np.ndarray, width: int | None = None, *, rows: int) -> np.ndarray:
-    pad = [(0, rows - array.shape[0])]
-    if width is not None:
-        pad.append((0, width - array.shape[1]))
-    return np.pad(array.astype(np.int32), pad)
+def _pad_to(array: np.ndarray, width: int | None = None, *, rows: int,
+            index: np.ndarray) -> np.ndarray:
+    if width is None:
+        out = np.zeros(rows, np.int32)
+        out[index] = array
+    else:
+        out = np.zeros((rows, width), np.int32)
+        out[index, :array.shape[1]] = array
+    return out
 
 
-def _unpad(out, plan: SubBatchPlan) -> SampledRows:
-    rows, width = plan.tokens.shape
-    prompt = lambda a: None if a is None else np.asarray(a)[:rows, :width]  # noqa: E731
+def _replicas(plan: SubBatchPlan) -> np.ndarray:
+    return np.zeros(plan.num_rows, np.int32) if plan.replicas is None else plan.replicas
+
+
+def _unpad(out, plan: SubBatchPlan, index: np.ndarray) -> SampledRows:
+    width = plan.tokens.shape[1]
+    prompt = lambda a: None if a is None else np.asarray(a)[index, :width]  # noqa: E731
     s = out.sampled
     return SampledRows(
-        tokens=np.asarray(s.tokens)[:rows], logprobs=np.asarray(s.logprobs)[:rows],
-        top_ids=np.asarray(s.top_ids)[:rows], top_logprobs=np.asarray(s.top_logprobs)[:rows],
+        tokens=np.asarray(s.tokens)[index], logprobs=np.asarray(s.logprobs)[index],
+        top_ids=np.asarray(s.top_ids)[index], top_logprobs=np.asarray(s.top_logprobs)[index],
         prompt_logprobs=prompt(out.prompt_logprobs), prompt_top_ids=prompt(out.prompt_top_ids),
         prompt_top_logprobs=prompt(out.prompt_top_logprobs))
+
+
+def _compile(step: Callable, layout: DeviceLayout | None) -> Callable:
+    """The jitted step; with a layout, mapped over the replica axes and sharded in and out."""
+    if layout is None:
+        return jax.jit(step, donate_argnums=(1,))
+    if layout.replica_axes:
+        rows, cache = layout.rows_manual, layout.cache_manual
+        step = jax.shard_map(step, mesh=layout.mesh, in_specs=(PartitionSpec(), cache, rows, rows),
+                             out_specs=(rows, cache), axis_names=set(layout.replica_axes),
+                             check_vma=False)
+    return jax.jit(step, in_shardings=(layout.params, layout.cache, layout.rows, layout.rows),
+                   out_shardings=(layout.rows, layout.cache), donate_argnums=(1,))
 
 
 class CompileCounter:

@@ -85,13 +85,15 @@ class Sampled:
 def device_sampling(arrays: SamplingArrays, *, min_tokens: np.ndarray | None = None,
                     banned_ids: np.ndarray | None = None, rows: int | None = None,
                     history_width: int | None = None,
-                    banned_width: int | None = None) -> DeviceSampling:
+                    banned_width: int | None = None, index: np.ndarray | None = None,
+                    sharding=None) -> DeviceSampling:
     """Moves `arrays` to device in one `device_put`, padded to fixed shapes when asked.
 
     `min_tokens` and `banned_ids`, when given, replace those of `arrays`; where neither has them
     they default to 0 and one column of -1 (no stop masking). `rows`, `history_width` and
     `banned_width` pad to those sizes (so compiled shapes stay bucketed) with neutral greedy rows
-    and -1 columns.
+    and -1 columns. Row i goes to padded row `index[i]` (default: in order); `sharding` places
+    the result.
     """
     num_rows = arrays.num_rows
     host = {f.name: getattr(arrays, f.name) for f in dataclasses.fields(arrays)}
@@ -105,17 +107,22 @@ def device_sampling(arrays: SamplingArrays, *, min_tokens: np.ndarray | None = N
         host["banned_ids"] = np.full((num_rows, 1), -1)
     widths = {"history": history_width, "history_is_output": history_width,
               "banned_ids": banned_width}
-    padded = {name: _pad(np.asarray(value), name, rows or num_rows, widths.get(name))
+    index = np.arange(num_rows) if index is None else index
+    padded = {name: _pad(np.asarray(value), name, rows or num_rows, widths.get(name), index)
               for name, value in host.items()}
-    return jax.device_put(DeviceSampling(**padded))
+    return jax.device_put(DeviceSampling(**padded), sharding)
 
 
-def _pad(value: np.ndarray, name: str, rows: int, width: int | None) -> np.ndarray:
+def _pad(value: np.ndarray, name: str, rows: int, width: int | None,
+         index: np.ndarray) -> np.ndarray:
     dtype, fill = _FIELDS[name]
-    pad = [(0, rows - value.shape[0])]
-    if value.ndim == 2:
-        pad.append((0, (width or value.shape[1]) - value.shape[1]))
-    return np.pad(value.astype(dtype), pad, constant_values=fill)
+    shape = (rows,) if value.ndim == 1 else (rows, width or value.shape[1])
+    out = np.full(shape, fill, dtype)
+    if value.ndim == 1:
+        out[index] = value
+    else:
+        out[index, :value.shape[1]] = value
+    return out
 
 
 def sample(logits: jax.Array, s: DeviceSampling, *, num_top_logprobs: int = 0) -> Sampled:

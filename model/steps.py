@@ -46,12 +46,13 @@ class StepOutput:
 
 
 def forward_step(graphdef: nnx.GraphDef, params: nnx.State, cache: KVCache,
-                 batches: tuple[SubBatch, ...], *, num_top_logprobs: int = 0
+                 batches: tuple[SubBatch, ...], *, num_top_logprobs: int = 0, constrain=None
                  ) -> tuple[tuple[SubBatchOutput, ...], KVCache]:
+    """`constrain(x, logical_axes)` pins activation shardings (see `run_layers`)."""
     model = nnx.merge(graphdef, params)
     tokens = jnp.concatenate([b.tokens.reshape(-1) for b in batches])  # [N]
     positions = jnp.concatenate([b.positions.reshape(-1) for b in batches])  # [N]
-    hidden, ctx = run_layers(model, tokens, positions, paged_context(cache, batches))
+    hidden, ctx = run_layers(model, tokens, positions, paged_context(cache, batches), constrain)
     outputs, start = [], 0
     for b in batches:
         rows, width = b.shape
@@ -77,10 +78,10 @@ def _sub_batch_output(model, hidden: jax.Array, b: SubBatch, num_top: int) -> Su
 
 def sample_step(graphdef: nnx.GraphDef, params: nnx.State, cache: KVCache,
                 batches: tuple[SubBatch, ...], samplings: tuple[DeviceSampling, ...], *,
-                num_top_logprobs: int) -> tuple[tuple[StepOutput, ...], KVCache]:
+                num_top_logprobs: int, constrain=None) -> tuple[tuple[StepOutput, ...], KVCache]:
     """forward_step, then each row's token sampled on device with its own parameters."""
     outputs, cache = forward_step(graphdef, params, cache, batches,
-                                  num_top_logprobs=num_top_logprobs)
+                                  num_top_logprobs=num_top_logprobs, constrain=constrain)
     results = tuple(
         StepOutput(sampled=sample(o.logits, s, num_top_logprobs=num_top_logprobs),
                    prompt_logprobs=o.prompt_logprobs, prompt_top_ids=o.prompt_top_ids,

@@ -161,6 +161,7 @@ class GPT2(nnx.Module):
 
 
 ARCH_CLASSES = {"llama": Llama, "gpt2": GPT2}
+RESIDUAL_AXES = ("tokens", "embed")
 
 
 def create_model(config: ModelConfig, *, seed: int = 0) -> Llama | GPT2:
@@ -173,9 +174,14 @@ def abstract_model(config: ModelConfig) -> Llama | GPT2:
     return nnx.eval_shape(lambda: create_model(config))
 
 
-def run_layers(model, tokens: jax.Array, positions: jax.Array, ctx):
-    """Embeds flattened tokens [N] and applies every layer. -> (hidden [N, D], ctx)."""
-    x = model.embed_tokens(tokens, positions)  # [N, D]
+def run_layers(model, tokens: jax.Array, positions: jax.Array, ctx, constrain=None):
+    """Embeds flattened tokens [N] and applies every layer. -> (hidden [N, D], ctx).
+
+    `constrain(x, logical_axes)`, when given, pins the residual stream's sharding between layers
+    (under tensor parallelism: replicated, so each layer ends in one all-reduce).
+    """
+    constrain = constrain or (lambda x, axes: x)
+    x = constrain(model.embed_tokens(tokens, positions), RESIDUAL_AXES)  # [N, D]
     rope = model.position_tables(positions)
     graphdef, layer_params = nnx.split(model.layers)
 
@@ -183,7 +189,7 @@ def run_layers(model, tokens: jax.Array, positions: jax.Array, ctx):
         x, ctx = carry
         params, layer = xs
         x, ctx = nnx.merge(graphdef, params)(x, ctx, layer, rope)
-        return (x, ctx), None
+        return (constrain(x, RESIDUAL_AXES), ctx), None
 
     layer_ids = jnp.arange(model.config.num_layers, dtype=jnp.int32)
     (x, ctx), _ = jax.lax.scan(one_layer, (x, ctx), (layer_params, layer_ids))

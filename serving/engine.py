@@ -32,6 +32,8 @@ from meshserve.model.runner import (CompileCounter, ModelRunner, RunnerConfig, S
                                     enable_compilation_cache)
 from meshserve.model.tokenizer import IncrementalDecoder, Tokenizer
 from meshserve.serving.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from meshserve.sharding.layout import prepare
+from meshserve.sharding.mesh import MeshConfig
 
 POLICIES = ("continuous", "static")
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -39,8 +41,14 @@ DEFAULT_MAX_MODEL_LEN = 2048
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
-    """Engine knobs. Those marked (compile) change compiled shapes; the rest are host policy."""
+    """Engine knobs. Those marked (compile) change compiled shapes; the rest are host policy.
 
+    With data parallelism (`mesh` with data > 1) `num_pages`, `max_num_seqs` and
+    `max_num_batched_tokens` are per replica: each replica is one engine's worth of rows and pages.
+    """
+
+    mesh: str | MeshConfig | None = None  # (compile) "data=D,stage=S,model=M" or a MeshConfig;
+    # None: one device. Stored as the canonical string.
     num_pages: int = 512  # (compile) KV pages, page 0 reserved
     page_size: int = 16  # (compile) tokens per page
     max_num_seqs: int = 16  # (compile) running sequences, and rows per sub-batch
@@ -55,6 +63,7 @@ class EngineConfig:
     # (a process-wide JAX setting: once on, it stays on for every engine in the process)
 
     def __post_init__(self):
+        object.__setattr__(self, "mesh", str(MeshConfig.coerce(self.mesh)))
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         for field in dataclasses.fields(self):
@@ -64,6 +73,10 @@ class EngineConfig:
         if self.prefill_chunk > self.max_num_batched_tokens:
             raise ValueError(f"prefill_chunk ({self.prefill_chunk}) must not exceed "
                              f"max_num_batched_tokens ({self.max_num_batched_tokens})")
+
+    @property
+    def mesh_config(self) -> MeshConfig:
+        return MeshConfig.parse(self.mesh)
 
     def for_model(self, model_config) -> "EngineConfig":
         """This config with `max_model_len` settled against the model's context."""
@@ -82,13 +95,14 @@ class EngineConfig:
                             max_pages_per_seq=-(-self.max_model_len // self.page_size),
                             max_logprobs=self.max_logprobs)
 
-    def scheduler_config(self, eos_token_ids: Sequence[int]) -> SchedulerConfig:
+    def scheduler_config(self, eos_token_ids: Sequence[int], *,
+                         num_replicas: int = 1) -> SchedulerConfig:
         return SchedulerConfig(
             num_pages=self.num_pages, page_size=self.page_size, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, prefill_chunk=self.prefill_chunk,
             max_model_len=self.max_model_len, policy=self.policy,
             token_buckets=self.runner_config().token_buckets,
-            eos_token_ids=tuple(eos_token_ids))
+            eos_token_ids=tuple(eos_token_ids), num_replicas=num_replicas)
 
 
 @dataclasses.dataclass
@@ -108,17 +122,24 @@ class _Stream:
 class Engine:
     def __init__(self, model, tokenizer: Tokenizer | None, config: EngineConfig = EngineConfig(),
                  *, runner: ModelRunner | None = None):
-        """`runner` lets engines of the same shapes share one set of compiled programs (XLA:CPU
-        runs out of memory maps after a few hundred loaded executables)."""
+        """`model` is placed on `config.mesh` (heads padded when the model axis needs it).
+
+        `runner` lets engines of the same shapes share one set of compiled programs (XLA:CPU
+        runs out of memory maps after a few hundred loaded executables); it must come from an
+        engine with the same mesh and runner config.
+        """
         self.config = config = config.for_model(model.config)
         self.tokenizer = tokenizer
-        self.model_config = model.config
+        if runner is None:
+            prepared = prepare(model, config.mesh_config)
+            model = prepared.model
+            runner = ModelRunner(model, config.runner_config(), prepared.layout)
+        elif runner.config != config.runner_config() or runner.model_config != model.config:
+            raise ValueError("a shared runner must have this engine's model and runner config")
+        self.model, self.model_config, self.runner = model, model.config, runner
         eos = tokenizer.eos_token_ids if tokenizer is not None else model.config.eos_token_ids
-        self.scheduler = Scheduler(config.scheduler_config(eos))
-        self.model = model
-        if runner is not None and runner.config != config.runner_config():
-            raise ValueError("a shared runner must have this engine's runner config")
-        self.runner = runner or ModelRunner(model, config.runner_config())
+        self.scheduler = Scheduler(config.scheduler_config(
+            eos, num_replicas=runner.num_replicas))
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self.stats = EngineStats()
@@ -325,6 +346,7 @@ class EngineStats:
         self.compiles_after_warmup += compiles
         for batch in plan.sub_batches:
             rows, tokens, _ = runner.padded_shape(batch)
+            rows *= runner.num_replicas
             if tokens == 1:
                 self.decode_tokens += batch.num_tokens
                 self.decode_slots += rows
