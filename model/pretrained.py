@@ -3,6 +3,7 @@
 `load_pretrained` accepts:
 - a known name (`smollm2-135m-instruct`), fetched once into the cache;
 - a local `.gguf` file, or an HF directory (`config.json` + safetensors);
+- a meshserve checkpoint directory (`meshserve convert`), restored with its tokenizer;
 - a preset name (`tiny-llama`, `llama-2-7b`, ...), which gives random weights and no tokenizer,
   for tests, benchmarks and planning.
 """
@@ -14,6 +15,7 @@ import os
 
 from flax import nnx
 
+from meshserve.model.checkpoint import load_checkpoint
 from meshserve.model.config import PRESETS, ModelConfig
 from meshserve.model.hub import ModelFiles, resolve_model
 from meshserve.model.loaders import load_weights
@@ -34,6 +36,9 @@ def load_pretrained(name_or_path: str, *, dtype: str = "float32", seed: int = 0,
         config = ModelConfig.preset(name_or_path, dtype=dtype)
         return Pretrained(config=config, model=create_model(config, seed=seed), tokenizer=None)
     files = resolve_model(name_or_path, cache_dir=cache_dir)
+    if files.kind == "orbax":
+        config, model, tokenizer = load_checkpoint(files.path, dtype=dtype)
+        return Pretrained(config=config, model=model, tokenizer=tokenizer)
     config, params = load_weights(files, dtype=dtype)
     return Pretrained(config=config, model=model_from_params(config, params),
                       tokenizer=load_tokenizer(files))

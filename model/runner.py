@@ -125,9 +125,11 @@ class ModelRunner:
             head_dim=c.head_dim, dtype=jnp.dtype(c.dtype))
         self.cache: KVCache = init() if layout is None else jax.jit(
             init, out_shardings=layout.cache)()
-        step = functools.partial(sample_step, self.graphdef, num_top_logprobs=config.max_logprobs,
-                                 constrain=None if layout is None else layout.constrain)
-        self._step = _compile(step, layout)
+        step = functools.partial(
+            sample_step, self.graphdef, num_top_logprobs=config.max_logprobs,
+            constrain=None if layout is None else layout.constrain,
+            replica_axes=() if layout is None else layout.replica_axes)
+        self._step = compile_step(step, layout)
 
     def padded_shape(self, plan: SubBatchPlan) -> tuple[int, int, int]:
         """The bucket `(rows per replica, tokens, pages)` that `plan` runs at."""
@@ -245,7 +247,7 @@ def _unpad(out, plan: SubBatchPlan, index: np.ndarray) -> SampledRows:
         prompt_top_logprobs=prompt(out.prompt_top_logprobs))
 
 
-def _compile(step: Callable, layout: DeviceLayout | None) -> Callable:
+def compile_step(step: Callable, layout: DeviceLayout | None) -> Callable:
     """The jitted step; with a layout, mapped over the replica axes and sharded in and out."""
     if layout is None:
         return jax.jit(step, donate_argnums=(1,))

@@ -125,15 +125,23 @@ def _pad(value: np.ndarray, name: str, rows: int, width: int | None,
     return out
 
 
-def sample(logits: jax.Array, s: DeviceSampling, *, num_top_logprobs: int = 0) -> Sampled:
-    """Samples one token per row of `logits` [B, V] (float32); K = `num_top_logprobs` is static."""
+def sample(logits: jax.Array, s: DeviceSampling, *, num_top_logprobs: int = 0,
+           replica_axes: tuple[str, ...] = ()) -> Sampled:
+    """Samples one token per row of `logits` [B, V] (float32); K = `num_top_logprobs` is static.
+
+    Under a shard_map over `replica_axes`, every replica takes the same branch of the all-greedy
+    shortcut: collectives inside diverging branches would wait on each other forever.
+    """
     raw = jax.nn.log_softmax(logits, axis=-1)  # [B, V]
     top_logprobs, top_ids = jax.lax.top_k(raw, num_top_logprobs)  # [B, K]
     adjusted = mask_banned(apply_penalties(logits, s), s)  # [B, V]
     greedy = jnp.argmax(adjusted, axis=-1)  # [B]
     # An all-greedy batch skips the sort over the vocabulary that the filters need.
+    all_greedy = jnp.all(s.temperature <= 0)
+    if replica_axes:
+        all_greedy = jax.lax.pmin(all_greedy.astype(jnp.int32), replica_axes) > 0
     drawn = jax.lax.cond(
-        jnp.all(s.temperature <= 0), lambda: greedy,
+        all_greedy, lambda: greedy,
         lambda: draw(apply_filters(scale(adjusted, s.temperature), s), s.seeds, s.steps))  # [B]
     tokens = jnp.where(s.temperature <= 0, greedy, drawn).astype(jnp.int32)
     chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]  # [B]

@@ -78,12 +78,16 @@ def _sub_batch_output(model, hidden: jax.Array, b: SubBatch, num_top: int) -> Su
 
 def sample_step(graphdef: nnx.GraphDef, params: nnx.State, cache: KVCache,
                 batches: tuple[SubBatch, ...], samplings: tuple[DeviceSampling, ...], *,
-                num_top_logprobs: int, constrain=None) -> tuple[tuple[StepOutput, ...], KVCache]:
-    """forward_step, then each row's token sampled on device with its own parameters."""
+                num_top_logprobs: int, constrain=None, replica_axes: tuple[str, ...] = ()
+                ) -> tuple[tuple[StepOutput, ...], KVCache]:
+    """forward_step, then each row's token sampled on device with its own parameters.
+
+    `replica_axes` names the shard_map axes the step is mapped over, if any (see `sample`)."""
     outputs, cache = forward_step(graphdef, params, cache, batches,
                                   num_top_logprobs=num_top_logprobs, constrain=constrain)
     results = tuple(
-        StepOutput(sampled=sample(o.logits, s, num_top_logprobs=num_top_logprobs),
+        StepOutput(sampled=sample(o.logits, s, num_top_logprobs=num_top_logprobs,
+                                  replica_axes=replica_axes),
                    prompt_logprobs=o.prompt_logprobs, prompt_top_ids=o.prompt_top_ids,
                    prompt_top_logprobs=o.prompt_top_logprobs)
         for o, s in zip(outputs, samplings))
