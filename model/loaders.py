@@ -8,7 +8,12 @@
 - kernels are laid out input first (`[D, H, h]`, `[F, D]`, ...), never as HF's `[out, in]`;
 - Q and K follow HF's rotate_half RoPE layout: GGUF llama files, whose Q and K rows llama.cpp
   permutes for its interleaved RoPE, are un-permuted here (qwen2 GGUF files are not permuted);
-- every array has the requested dtype and is finite: `check_params` runs before a loader returns.
+- every array has the requested dtype and is finite: each is checked as it is assembled, and
+  `check_params` checks the key set and shapes before a loader returns.
+
+Loaders assemble one canonical tensor at a time. With `place`, each finished tensor is handed to
+`place(config, key, array)` at once and only its result is kept (the sharded loader puts it on
+the mesh, each device receiving its shard), so the host never holds more than one full tensor.
 
 Quantized GGUF tensors are dequantized to float32 with `gguf.quants` and then cast. This module
 imports neither jax nor flax; the model module places the arrays on devices.
@@ -17,6 +22,7 @@ imports neither jax nor flax; the model module places the arrays on devices.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 from contextlib import ExitStack
@@ -49,6 +55,7 @@ MAX_LISTED_NAMES = 5
 
 Convert = Callable[[np.ndarray], np.ndarray]
 Params = dict[str, np.ndarray]
+Place = Callable[[ModelConfig, str, np.ndarray], Any]
 
 
 # --- The canonical layout ---------------------------------------------------------------------
@@ -113,8 +120,10 @@ def _gpt2_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
 
 
-def check_params(config: ModelConfig, params: Mapping[str, np.ndarray]) -> None:
-    """Raises ValueError unless `params` has exactly `config`'s keys and shapes, all finite."""
+def check_params(config: ModelConfig, params: Mapping[str, Any], *,
+                 values: bool = True) -> None:
+    """Raises ValueError unless `params` has exactly `config`'s keys and shapes, all finite
+    (finiteness only with `values`, for host arrays)."""
     expected = expected_shapes(config)
     missing = [key for key in expected if key not in params]
     if missing:
@@ -133,11 +142,16 @@ def check_params(config: ModelConfig, params: Mapping[str, np.ndarray]) -> None:
         actual = tuple(np.shape(params[key]))
         if actual != shape:
             raise ValueError(f"param {key!r} has shape {actual}, but the config expects {shape}")
-        if not np.isfinite(params[key]).all():
-            raise ValueError(
-                f"param {key!r} has NaN or infinite values; the checkpoint is damaged, or its "
-                f"values overflow {np.asarray(params[key]).dtype} (load it as float32 or bfloat16)"
-            )
+        if values:
+            check_finite(key, params[key])
+
+
+def check_finite(key: str, array: np.ndarray) -> None:
+    if not np.isfinite(array).all():
+        raise ValueError(
+            f"param {key!r} has NaN or infinite values; the checkpoint is damaged, or its "
+            f"values overflow {np.asarray(array).dtype} (load it as float32 or bfloat16)"
+        )
 
 
 def numpy_dtype(dtype: str) -> Any:
@@ -292,17 +306,24 @@ class Checkpoint(Protocol):
 
 
 def assemble(
-    config: ModelConfig, slots: list[Slot], checkpoint: Checkpoint, ignored: Callable[[str], bool]
+    config: ModelConfig, slots: list[Slot], checkpoint: Checkpoint, ignored: Callable[[str], bool],
+    place: Place | None = None,
 ) -> Params:
-    """Reads every slot's tensor into preallocated stacked arrays of the config's dtype."""
+    """Reads every slot's tensor into stacked arrays of the config's dtype, one key at a time;
+    each finished key is checked, then handed to `place` when given."""
     require_sources(slots, checkpoint)
     reject_unknown(slots, checkpoint, ignored)
     require_source_shapes(slots, checkpoint)
     dtype = numpy_dtype(config.dtype)
-    params = {key: np.empty(shape, dtype) for key, shape in expected_shapes(config).items()}
-    for slot in slots:
-        target = params[slot.key] if slot.layer is None else params[slot.key][slot.layer]
-        target[...] = slot.conversion.convert(checkpoint.read(slot.source))
+    shapes = expected_shapes(config)
+    params = {}
+    for key, key_slots in itertools.groupby(slots, key=lambda slot: slot.key):
+        array = np.empty(shapes[key], dtype)
+        for slot in key_slots:
+            target = array if slot.layer is None else array[slot.layer]
+            target[...] = slot.conversion.convert(checkpoint.read(slot.source))
+        check_finite(key, array)
+        params[key] = array if place is None else place(config, key, array)
     return params
 
 
@@ -406,7 +427,8 @@ class GGUFCheckpoint:
         return values.reshape(self.shape(name))
 
 
-def load_gguf(path: str | os.PathLike, *, dtype: str = "float32") -> tuple[ModelConfig, Params]:
+def load_gguf(path: str | os.PathLike, *, dtype: str = "float32",
+              place: Place | None = None) -> tuple[ModelConfig, Params]:
     """Loads a llama, qwen2 or gpt2 GGUF file into a config and canonical params."""
     path = Path(path)
     require_dtype(dtype)
@@ -419,13 +441,14 @@ def load_gguf(path: str | os.PathLike, *, dtype: str = "float32") -> tuple[Model
     config = ModelConfig.from_gguf_fields(fields, tie_embeddings=tied, dtype=dtype)
     if config.arch == "gpt2":
         slots = plan_slots(config, GGUF_GPT2_NAMES, gpt2_conversions(config, conv1d=False))
-        params = assemble(config, slots, checkpoint, GGUF_GPT2_IGNORED.__contains__)
+        params = assemble(config, slots, checkpoint, GGUF_GPT2_IGNORED.__contains__, place)
     else:
         reject_rope_factors(checkpoint)
         conversions = llama_conversions(config, permuted_qk=arch == "llama")
         slots = plan_slots(config, GGUF_LLAMA_NAMES, conversions)
-        params = assemble(config, slots, checkpoint, GGUF_LLAMA_IGNORED.__contains__)
-    check_params(config, params)
+        params = assemble(config, slots, checkpoint, GGUF_LLAMA_IGNORED.__contains__, place)
+    if place is None:  # placed tensors were checked one by one, before placing
+        check_params(config, params, values=False)
     return config, params
 
 
@@ -591,7 +614,8 @@ def read_bf16(header: SafetensorsHeader, name: str) -> np.ndarray:
     return raw.view(ml_dtypes.bfloat16).reshape(info["shape"])
 
 
-def load_hf(directory: str | os.PathLike, *, dtype: str = "float32") -> tuple[ModelConfig, Params]:
+def load_hf(directory: str | os.PathLike, *, dtype: str = "float32",
+            place: Place | None = None) -> tuple[ModelConfig, Params]:
     """Loads an HF llama, qwen2, mistral or gpt2 safetensors directory into a config and params."""
     directory = Path(directory)
     require_dtype(dtype)
@@ -604,12 +628,13 @@ def load_hf(directory: str | os.PathLike, *, dtype: str = "float32") -> tuple[Mo
         if config.arch == "gpt2":
             names = hf_gpt2_names(checkpoint)
             slots = plan_slots(config, names, gpt2_conversions(config, conv1d=True))
-            params = assemble(config, slots, checkpoint, is_hf_gpt2_extra)
+            params = assemble(config, slots, checkpoint, is_hf_gpt2_extra, place)
         else:
             require_lm_head(config, checkpoint)
             slots = plan_slots(config, HF_LLAMA_NAMES, llama_conversions(config, permuted_qk=False))
-            params = assemble(config, slots, checkpoint, hf_llama_extra(config))
-    check_params(config, params)
+            params = assemble(config, slots, checkpoint, hf_llama_extra(config), place)
+    if place is None:  # placed tensors were checked one by one, before placing
+        check_params(config, params, values=False)
     return config, params
 
 
@@ -680,13 +705,14 @@ def hf_llama_extra(config: ModelConfig) -> Callable[[str], bool]:
 # --- Dispatch ---------------------------------------------------------------------------------
 
 
-def load_weights(files: Any, *, dtype: str = "float32") -> tuple[ModelConfig, Params]:
+def load_weights(files: Any, *, dtype: str = "float32",
+                 place: Place | None = None) -> tuple[ModelConfig, Params]:
     """Loads `files` (anything with `.kind` "gguf" | "hf" and `.path`, or a plain path)."""
     kind, path = weights_kind_and_path(files)
     if kind == "gguf":
-        return load_gguf(path, dtype=dtype)
+        return load_gguf(path, dtype=dtype, place=place)
     if kind == "hf":
-        return load_hf(path, dtype=dtype)
+        return load_hf(path, dtype=dtype, place=place)
     raise ValueError(
         f"cannot load weights of kind {kind!r} from {path}; load_weights reads 'gguf' files and "
         "'hf' safetensors directories"

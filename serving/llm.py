@@ -4,9 +4,12 @@
     outputs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0.8, max_tokens=32))
     outputs = llm.chat([{"role": "user", "content": "Hi!"}])
 
-Keyword arguments other than `dtype` and `seed` are `EngineConfig` fields. Requests run through
-the continuous-batching engine (or the static baseline with `policy="static"`); outputs come back
-in the order of the prompts.
+    llm = LLM(model="smollm2-135m-instruct", mesh="data=2,model=4")  # or a MeshConfig
+
+Keyword arguments other than `dtype` and `seed` are `EngineConfig` fields. Weights are read one
+tensor at a time and go to the mesh's devices already split (`meshserve.sharding.loading`).
+Requests run through the continuous-batching engine (or the static baseline with
+`policy="static"`); outputs come back in the order of the prompts.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from meshserve.batching.sampling import SamplingParams
-from meshserve.model.pretrained import load_pretrained
+from meshserve.sharding.loading import load_sharded
 from meshserve.serving.engine import Engine, EngineConfig
 from meshserve.serving.outputs import RequestOutput
 
@@ -27,7 +30,7 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m-instruct", *, dtype: str = "float32",
                  seed: int = 0, **engine_config: Any):
         config = EngineConfig(**engine_config)  # fails fast, before loading weights
-        pretrained = load_pretrained(model, dtype=dtype, seed=seed)
+        pretrained = load_sharded(model, config.mesh_config, dtype=dtype, seed=seed)
         self.tokenizer = pretrained.tokenizer
         self.model_config = pretrained.config
         self.engine = Engine(pretrained.model, pretrained.tokenizer, config)

@@ -94,8 +94,11 @@ class MeshConfig:
         """The mesh on `devices` (default: the first `num_devices` of `jax.devices()`)."""
         available = jax.devices() if devices is None else list(devices)
         if devices is None and len(available) < self.num_devices:
+            hint = (f"; to try it on fake CPU devices, start with XLA_FLAGS="
+                    f"--xla_force_host_platform_device_count={self.num_devices}"
+                    if available[0].platform == "cpu" else "")
             raise ValueError(f"mesh {self} needs {self.num_devices} devices, but only "
-                             f"{len(available)} are visible ({available[0].platform})")
+                             f"{len(available)} are visible ({available[0].platform}){hint}")
         if devices is not None and len(available) != self.num_devices:
             raise ValueError(f"mesh {self} needs {self.num_devices} devices, got "
                              f"{len(available)}")

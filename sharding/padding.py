@@ -19,6 +19,7 @@ nothing downstream knows.
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from meshserve.model.config import ModelConfig
@@ -40,18 +41,28 @@ def pad_heads(model: nnx.Module, model_size: int) -> nnx.Module:
     config = model.config
     if not needs_head_padding(config, model_size):
         return model
+    padded = padded_config(config, model_size)
+    _, state = nnx.split(model)
+    params = {"/".join(map(str, path)): pad_array(var[...], var.axes, padded)
+              for path, var in nnx.to_flat_state(state)}
+    return model_from_params(padded, params)
+
+
+def padded_config(config: ModelConfig, model_size: int) -> ModelConfig:
+    if not needs_head_padding(config, model_size):
+        return config
     if config.arch != "llama":
         raise ValueError(f"head padding needs grouped-query attention (llama family), "
                          f"not {config.arch}")
     num_heads, num_kv_heads = padded_head_counts(config, model_size)
-    sizes = {"heads": num_heads, "kv_heads": num_kv_heads}
-    _, state = nnx.split(model)
-    params = {}
-    for path, var in nnx.to_flat_state(state):
-        value = var[...]
-        widths = [(0, sizes[axis] - dim if axis in sizes else 0)
-                  for axis, dim in zip(var.axes, value.shape)]
-        params["/".join(map(str, path))] = jnp.pad(value, widths) if any(
-            w for _, w in widths) else value
-    padded = config.replace(num_heads=num_heads, num_kv_heads=num_kv_heads)
-    return model_from_params(padded, params)
+    return config.replace(num_heads=num_heads, num_kv_heads=num_kv_heads)
+
+
+def pad_array(value, axes: tuple[str, ...], padded: ModelConfig):
+    """`value` (numpy or jax) with zeros appended on its `heads` and `kv_heads` dimensions up to
+    the padded config's counts; unchanged when nothing pads."""
+    sizes = {"heads": padded.num_heads, "kv_heads": padded.num_kv_heads}
+    widths = [(0, sizes[axis] - dim if axis in sizes else 0) for axis, dim in zip(axes, value.shape)]
+    if not any(w for _, w in widths):
+        return value
+    return (np if isinstance(value, np.ndarray) else jnp).pad(value, widths)

@@ -1,0 +1,65 @@
+"""Loading a model straight onto a mesh.
+
+`load_sharded(name, mesh)` reads the checkpoint one canonical tensor at a time. Each tensor is
+padded (heads, when `model` needs it), then placed with `jax.make_array_from_callback`, so each
+device receives only its own shard. The host tensor is dropped before the next one is read.
+The host therefore never holds more than one full tensor, and no device ever holds a full copy
+of a split weight.
+
+Presets (random weights, for tests and benchmarks) are created on one device and resharded by
+the runner.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from meshserve.model.config import PRESETS, ModelConfig
+from meshserve.model.hub import resolve_model
+from meshserve.model.loaders import load_weights
+from meshserve.model.pretrained import Pretrained, load_pretrained, load_tokenizer
+from meshserve.model.transformer import abstract_model, model_from_params
+from meshserve.sharding.mesh import MeshConfig
+from meshserve.sharding.padding import pad_array, padded_config
+from meshserve.sharding.rules import DEFAULT_RULES, ShardingRules
+
+
+def load_sharded(name_or_path: str, mesh_config: MeshConfig | str | None, *,
+                 dtype: str = "float32", seed: int = 0, cache_dir=None,
+                 rules: ShardingRules = DEFAULT_RULES, mesh: Mesh | None = None) -> Pretrained:
+    """Like `load_pretrained`, with every weight already placed on the mesh's devices, split by
+    `rules`, and heads padded for `mesh_config.model`. The model config of the result is the
+    padded one."""
+    mesh_config = MeshConfig.coerce(mesh_config)
+    if name_or_path in PRESETS:
+        return load_pretrained(name_or_path, dtype=dtype, seed=seed)
+    mesh = mesh or mesh_config.make_mesh()
+    files = resolve_model(name_or_path, cache_dir=cache_dir)
+    placer = _Placer(mesh_config, mesh, rules)
+    config, params = load_weights(files, dtype=dtype, place=placer)
+    model = model_from_params(placer.padded, params)
+    return Pretrained(config=model.config, model=model, tokenizer=load_tokenizer(files))
+
+
+class _Placer:
+    """`place(config, key, array)` for the loaders: pad, then put each device's shard there."""
+
+    def __init__(self, mesh_config: MeshConfig, mesh: Mesh, rules: ShardingRules):
+        self.mesh_config, self.mesh, self.rules = mesh_config, mesh, rules
+        self.padded: ModelConfig | None = None
+        self._axes: dict[str, tuple[str, ...]] = {}
+
+    def __call__(self, config: ModelConfig, key: str, array: np.ndarray) -> jax.Array:
+        if self.padded is None:
+            self.mesh_config.check_model(config)
+            self.padded = padded_config(config, self.mesh_config.model)
+            _, state = nnx.split(abstract_model(self.padded))
+            self._axes = {"/".join(map(str, path)): var.axes
+                          for path, var in nnx.to_flat_state(state)}
+        axes = self._axes[key]
+        array = pad_array(array, axes, self.padded)
+        sharding = NamedSharding(self.mesh, self.rules.spec(axes, array.shape, self.mesh))
+        return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
