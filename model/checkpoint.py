@@ -178,11 +178,10 @@ def _replace_directory(staging: Path, path: Path) -> None:
     if not path.exists():
         staging.rename(path)
         return
-    old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.old-"))
-    old.rmdir()
-    path.rename(old)
+    aside = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.old-"))
+    path.rename(aside / path.name)
     staging.rename(path)
-    shutil.rmtree(old)
+    shutil.rmtree(aside)
 
 
 # -- reading -------------------------------------------------------------------------------------
@@ -286,9 +285,9 @@ def restore_params(directory: str | os.PathLike, config: ModelConfig,
     with ocp.StandardCheckpointer() as checkpointer:
         try:
             return checkpointer.restore((path / PARAMS_DIR).absolute(), target)
-        except ValueError as err:
+        except Exception as err:  # orbax and tensorstore raise bare Exceptions on bad data
             raise ValueError(f"checkpoint {path}: its orbax data in {PARAMS_DIR}/ cannot be "
-                             f"read: {str(err)[:500]}") from None
+                             f"read: {str(err)[:300]}") from err
 
 
 def read_tokenizer(directory: str | os.PathLike) -> Tokenizer | None:
@@ -331,10 +330,14 @@ def _require_orbax_data(path: Path, shapes: Mapping[str, tuple[int, ...]]) -> No
                          "missing")
     try:
         with ocp.StandardCheckpointer() as checkpointer:
-            stored = dict(checkpointer.metadata(params_dir.absolute()).item_metadata.tree)
+            item = checkpointer.metadata(params_dir.absolute()).item_metadata
     except (OSError, ValueError) as err:
         raise ValueError(f"checkpoint {path} is incomplete: the metadata of {PARAMS_DIR}/ "
                          f"cannot be read ({str(err)[:300]})") from None
+    if item is None:
+        raise ValueError(f"checkpoint {path} is incomplete: {PARAMS_DIR}/ has no readable "
+                         "array metadata")
+    stored = dict(item.tree)
     missing = sorted(set(shapes) - set(stored))
     if missing:
         raise ValueError(f"checkpoint {path} is incomplete: {PARAMS_DIR}/ lacks the weights "

@@ -7,6 +7,8 @@ Subcommands:
   demo       `batch` on the shipped example prompts
   roofline   measure this machine's bandwidth and matmul rate, and decode steps against the floor
   bench      seeded offline workload through the continuous engine and the static baseline
+  convert    write a model (any `--model` form) as a meshserve checkpoint directory: orbax
+             weights, config, tokenizer and manifest; `--model DIR` then loads it
 
 Engine options are generated from `EngineConfig`'s fields, so a knob is declared once and the CLI
 follows it.
@@ -31,8 +33,10 @@ from typing import Any, Iterator, Sequence
 from tqdm.auto import tqdm
 
 from meshserve.batching.sampling import SamplingParams
+from meshserve.model.checkpoint import check_destination, save_checkpoint
 from meshserve.model.config import weight_bytes
 from meshserve.model.hub import DEFAULT_MODEL
+from meshserve.model.pretrained import load_pretrained
 from meshserve.serving import roofline
 from meshserve.serving.engine import EngineConfig
 from meshserve.serving.llm import LLM
@@ -98,7 +102,23 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--output", type=Path, help="write the results JSON here")
     for sub in (generate, batch, demo, roof, bench):
         _model_args(sub)
+    convert = commands.add_parser("convert", help="write a model as a meshserve checkpoint")
+    convert.add_argument("--model", default=DEFAULT_MODEL,
+                         help="known model name, .gguf file, HF directory, checkpoint, or preset")
+    convert.add_argument("--out", required=True, type=Path, help="the checkpoint directory")
+    convert.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    convert.add_argument("--force", action="store_true", help="replace --out if it is not empty")
     return parser
+
+
+def run_convert(args: argparse.Namespace) -> None:
+    check_destination(args.out, force=args.force)  # before the (slow) load
+    pretrained = load_pretrained(args.model, dtype=args.dtype)
+    path = save_checkpoint(pretrained.model, pretrained.tokenizer, args.out, force=args.force)
+    config = pretrained.config
+    tokenizer = "with its tokenizer" if pretrained.tokenizer is not None else "no tokenizer"
+    print(f"wrote {config.name} ({config.num_params / 1e6:.1f}M params, {config.dtype}, "
+          f"{tokenizer}) to {path}")
 
 
 def run_bench(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
@@ -300,6 +320,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 run_batch(args, demo_prompts(), Path(tmp) / "results.jsonl", show=True)
         elif args.command == "bench":
             run_bench(args, argv)
+        elif args.command == "convert":
+            run_convert(args)
         else:
             run_roofline(args)
     except (ValueError, FileNotFoundError) as err:

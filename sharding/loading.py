@@ -6,24 +6,29 @@ device receives only its own shard. The host tensor is dropped before the next o
 The host therefore never holds more than one full tensor, and no device ever holds a full copy
 of a split weight.
 
+An orbax checkpoint directory (`meshserve convert`) is restored straight into the rules'
+shardings, each device reading only its shard, whatever mesh it was saved from. Heads that need
+padding are restored replicated over `model` (they do not divide) and padded on device.
+
 Presets (random weights, for tests and benchmarks) are created on one device and resharded by
 the runner.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from meshserve.model.checkpoint import read_checkpoint_config, read_tokenizer, restore_params
 from meshserve.model.config import PRESETS, ModelConfig
 from meshserve.model.hub import resolve_model
 from meshserve.model.loaders import load_weights
 from meshserve.model.pretrained import Pretrained, load_pretrained, load_tokenizer
 from meshserve.model.transformer import abstract_model, model_from_params
 from meshserve.sharding.mesh import MeshConfig
-from meshserve.sharding.padding import pad_array, padded_config
+from meshserve.sharding.padding import pad_array, pad_heads, padded_config
 from meshserve.sharding.rules import DEFAULT_RULES, ShardingRules
 
 
@@ -38,10 +43,30 @@ def load_sharded(name_or_path: str, mesh_config: MeshConfig | str | None, *,
         return load_pretrained(name_or_path, dtype=dtype, seed=seed)
     mesh = mesh or mesh_config.make_mesh()
     files = resolve_model(name_or_path, cache_dir=cache_dir)
+    if files.kind == "orbax":
+        return _restore_checkpoint(files.path, mesh_config, mesh, rules, dtype)
     placer = _Placer(mesh_config, mesh, rules)
     config, params = load_weights(files, dtype=dtype, place=placer)
     model = model_from_params(placer.padded, params)
     return Pretrained(config=model.config, model=model, tokenizer=load_tokenizer(files))
+
+
+def _restore_checkpoint(directory, mesh_config: MeshConfig, mesh: Mesh, rules: ShardingRules,
+                        dtype: str) -> Pretrained:
+    config = read_checkpoint_config(directory).replace(dtype=dtype)
+    mesh_config.check_model(config)
+    shardings = {key: NamedSharding(mesh, rules.spec(axes, shape, mesh))
+                 for key, (axes, shape) in _weight_axes(config).items()}
+    model = model_from_params(config, restore_params(directory, config, shardings))
+    model = pad_heads(model, mesh_config.model)
+    return Pretrained(config=model.config, model=model, tokenizer=read_tokenizer(directory))
+
+
+def _weight_axes(config: ModelConfig) -> dict[str, tuple[tuple[str, ...], tuple[int, ...]]]:
+    """Canonical key -> (logical axes, shape) of every weight of `config`'s model."""
+    _, state = nnx.split(abstract_model(config))
+    return {"/".join(map(str, path)): (var.axes, tuple(var.shape))
+            for path, var in nnx.to_flat_state(state)}
 
 
 class _Placer:
@@ -50,16 +75,17 @@ class _Placer:
     def __init__(self, mesh_config: MeshConfig, mesh: Mesh, rules: ShardingRules):
         self.mesh_config, self.mesh, self.rules = mesh_config, mesh, rules
         self.padded: ModelConfig | None = None
-        self._axes: dict[str, tuple[str, ...]] = {}
+        self._axes: dict[str, tuple[tuple[str, ...], tuple[int, ...]]] = {}
 
     def __call__(self, config: ModelConfig, key: str, array: np.ndarray) -> jax.Array:
         if self.padded is None:
             self.mesh_config.check_model(config)
             self.padded = padded_config(config, self.mesh_config.model)
-            _, state = nnx.split(abstract_model(self.padded))
-            self._axes = {"/".join(map(str, path)): var.axes
-                          for path, var in nnx.to_flat_state(state)}
-        axes = self._axes[key]
+            self._axes = _weight_axes(self.padded)
+        axes, _ = self._axes[key]
         array = pad_array(array, axes, self.padded)
         sharding = NamedSharding(self.mesh, self.rules.spec(axes, array.shape, self.mesh))
-        return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+        # Each shard is a copy: on CPU a device buffer may alias its host array, and a view would
+        # keep the whole host tensor alive.
+        return jax.make_array_from_callback(array.shape, sharding,
+                                            lambda index: array[index].copy())

@@ -1,4 +1,5 @@
-"""The same engine on every mesh shape gives the same tokens as on one device.
+"""The same engine on every mesh shape gives the same tokens as on one device; weights loaded
+onto a mesh and checkpoints restored onto another mesh give them too.
 
 Each mesh runs the same requests through the real engine on fake CPU devices. Greedy tokens must be
 identical, and the top-K logprobs of every generated token (the model's log-softmax, so logits up
@@ -6,13 +7,20 @@ to a per-row constant) must match the single-device run to 1e-4. Sampled (temper
 must match too: a row's draw depends only on its seed, its output index and its logits.
 """
 
+import weakref
+
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from meshserve.batching.sampling import SamplingParams
+from meshserve.model.checkpoint import save_checkpoint
 from meshserve.model.config import ModelConfig
 from meshserve.model.transformer import model_from_params
 from meshserve.serving.engine import Engine, EngineConfig
+from meshserve.sharding.layout import prepare
+from meshserve.sharding.loading import _Placer, load_sharded
 from tests.conftest import random_params
 
 ENGINE = dict(num_pages=48, page_size=16, max_num_seqs=4, max_num_batched_tokens=64,
@@ -118,3 +126,47 @@ def test_mesh_is_validated_before_anything_runs(tiny_model):
     with pytest.raises(ValueError, match="unknown|expected comma-separated"):
         EngineConfig(mesh="tensor=2")
     assert EngineConfig(mesh="model=2").mesh == "data=1,stage=1,model=2"
+
+
+def test_checkpoint_saved_on_one_mesh_serves_identical_tokens_on_another(tiny_model, tmp_path):
+    """Save from weights sharded on (data=1, model=2); restore on (data=2, model=4) and on one
+    device: the same tokens."""
+    prepared = prepare(tiny_model, "model=2")
+    sharded = model_from_params(
+        tiny_model.config,
+        {"/".join(map(str, path)): var[...] for path, var in nnx.to_flat_state(
+            jax.device_put(nnx.split(prepared.model)[1], prepared.layout.params))})
+    directory = save_checkpoint(sharded, None, tmp_path / "ckpt")
+    requests = [(prompt, params) for prompt, params in _tiny_requests()[:4]]
+    want = _run(Engine(tiny_model, None, EngineConfig(**ENGINE)), requests)
+    for mesh in ("data=2,model=4", None):
+        restored = load_sharded(str(directory), mesh)
+        _assert_same(_run(Engine(restored.model, None, EngineConfig(mesh=mesh, **ENGINE)),
+                          requests), want)
+
+
+@pytest.mark.slow
+def test_sharded_loading_holds_one_host_tensor_at_a_time(smollm2_files, monkeypatch):
+    """Every weight arrives on the mesh split by the rules, and each host tensor is gone before
+    the loader reads the next one."""
+    placed_so_far = []
+    place = _Placer.__call__
+
+    def checked_place(self, config, key, array):
+        alive = [name for name, ref in placed_so_far if ref() is not None]
+        assert not alive, f"host tensors {alive} are still alive when {key} is placed"
+        result = place(self, config, key, array)
+        placed_so_far.append((key, weakref.ref(array)))
+        return result
+
+    monkeypatch.setattr(_Placer, "__call__", checked_place)
+    loaded = load_sharded(str(smollm2_files.path), "data=2,model=2")
+    assert len(placed_so_far) == len(nnx.to_flat_state(nnx.split(loaded.model)[1]))
+    layout = prepare(loaded.model, "data=2,model=2").layout
+    _, state = nnx.split(loaded.model)
+    flat_layout = dict(nnx.to_flat_state(layout.params))
+    for path, var in nnx.to_flat_state(state):
+        assert var[...].sharding == flat_layout[path], path
+    q = loaded.model.layers.attn.q.kernel[...]
+    assert loaded.config.num_heads == 12  # 9 heads padded for model=2
+    assert {shard.data.shape for shard in q.addressable_shards} == {(30, 576, 6, 64)}
