@@ -75,13 +75,19 @@ def decode_floor(config: ModelConfig, machine: Machine, *, batch: int, context: 
 
 def measure_decode_step(runner: ModelRunner, *, batch: int, context: int,
                         repeats: int = 20) -> float:
-    """Median seconds of one decode step through the runner, host work included."""
-    size = runner.config.page_size
+    """Median seconds of one decode step through the runner, host work included.
+
+    Rows are dealt round robin over the runner's data-parallel replicas, each using its own pages.
+    """
+    size, replicas = runner.config.page_size, runner.num_replicas
     pages_each = -(-(context + 1) // size)
-    if 1 + batch * pages_each > runner.config.num_pages:
+    rows_per_replica = -(-batch // replicas)
+    if 1 + rows_per_replica * pages_each > runner.config.num_pages:
         raise ValueError(f"batch {batch} x context {context} needs more than "
-                         f"{runner.config.num_pages} pages")
-    rows = [([1], context, list(range(1 + i * pages_each, 1 + (i + 1) * pages_each)))
-            for i in range(batch)]
-    plan = sub_batch_from_rows(rows, page_size=size)
+                         f"{runner.config.num_pages} pages per replica")
+    slot = [i // replicas for i in range(batch)]  # the row's index within its replica
+    rows = [([1], context, list(range(1 + k * pages_each, 1 + (k + 1) * pages_each)))
+            for k in slot]
+    plan = dataclasses.replace(sub_batch_from_rows(rows, page_size=size),
+                               replicas=np.arange(batch, dtype=np.int32) % replicas)
     return median_seconds(lambda: np.asarray(runner.execute([plan])[0].tokens), repeats=repeats)
