@@ -5,7 +5,9 @@ its page table, then reads its whole context back through it, and its next token
 function of that context. A wrong page, a token never written, or a page another request wrote over
 changes the output, so "each request's output equals what the rule gives when it runs alone" checks
 the paging as well as the batching. Pages are poisoned when freed, so stale KV cannot pass for
-recomputed KV. No jax anywhere.
+recomputed KV. With data-parallel replicas each replica has its own fake cache, indexed by the
+row's replica and its local page ids, so a page id read on the wrong replica shows too. No jax
+anywhere.
 """
 
 from __future__ import annotations
@@ -38,34 +40,37 @@ def reference_outputs(prompt: Sequence[int], max_tokens: int) -> list[int]:
 
 
 class FakeRunner:
-    def __init__(self, *, num_pages: int, page_size: int):
+    def __init__(self, *, num_pages: int, page_size: int, num_replicas: int = 1):
         self.page_size = page_size
-        self.kv = np.full((num_pages, page_size), EMPTY, np.int64)
+        self.kv = np.full((num_replicas, num_pages, page_size), EMPTY, np.int64)
 
     def run(self, plan: StepPlan) -> list[np.ndarray]:
         return [self._run_sub_batch(batch) for batch in plan.sub_batches]
 
     def poison_free_pages(self, scheduler: Scheduler) -> None:
-        free = [p for p in range(1, len(self.kv)) if scheduler.allocator.ref_count(p) == 0]
-        self.kv[free] = EMPTY
+        for replica, allocator in enumerate(scheduler.allocators):
+            free = [p for p in range(1, self.kv.shape[1]) if allocator.ref_count(p) == 0]
+            self.kv[replica, free] = EMPTY
 
     def _run_sub_batch(self, batch: SubBatchPlan) -> np.ndarray:
         out = np.zeros(batch.num_rows, np.int32)
+        replicas = np.zeros(batch.num_rows, int) if batch.replicas is None else batch.replicas
         for r in range(batch.num_rows):
             if batch.num_new[r] == 0:
                 assert batch.kv_lens[r] == 0 and not batch.page_table[r].any(), "bad padding row"
                 continue
-            self._write(batch, r)
-            out[r] = next_token(self._read(batch, r))
+            kv = self.kv[replicas[r]]
+            self._write(kv, batch, r)
+            out[r] = next_token(self._read(kv, batch, r))
         return out
 
-    def _write(self, batch: SubBatchPlan, r: int) -> None:
+    def _write(self, kv: np.ndarray, batch: SubBatchPlan, r: int) -> None:
         for j in range(batch.num_new[r]):
             page, slot = self._slot(batch.page_table[r], batch.positions[r, j])
-            self.kv[page, slot] = batch.tokens[r, j]
+            kv[page, slot] = batch.tokens[r, j]
 
-    def _read(self, batch: SubBatchPlan, r: int) -> list[int]:
-        context = [int(self.kv[self._slot(batch.page_table[r], pos)])
+    def _read(self, kv: np.ndarray, batch: SubBatchPlan, r: int) -> list[int]:
+        context = [int(kv[self._slot(batch.page_table[r], pos)])
                    for pos in range(batch.kv_lens[r])]
         assert EMPTY not in context, "a row read KV that was never written"
         return context
@@ -94,11 +99,14 @@ class ScriptedRunner:
 def check_plan(plan: StepPlan, scheduler: Scheduler) -> None:
     """The limits every step must respect."""
     c = scheduler.config
-    assert plan.num_tokens <= c.max_num_batched_tokens, plan.num_tokens
     ids = [rid for batch_ids, batch in zip(plan.row_requests, plan.sub_batches)
            for rid, n in zip(batch_ids, batch.num_new) if n > 0]
     assert len(ids) == len(set(ids)), "a request has two rows in one step"
-    assert sum(b.num_rows for b in plan.sub_batches) <= c.max_num_seqs
+    for replica in range(c.num_replicas):
+        mine = [_of_replica(b, replica) for b in plan.sub_batches]
+        assert sum(int(b.num_new[m].sum()) for b, m in zip(plan.sub_batches, mine)) <= (
+            c.max_num_batched_tokens), "a replica's token budget is exceeded"
+        assert sum(int(m.sum()) for m in mine) <= c.max_num_seqs
     assert len(plan.sub_batches) <= 2
     if len(plan.sub_batches) == 2:
         assert plan.sub_batches[1].tokens.shape[1] == 1, "the decode sub-batch comes second"
@@ -118,12 +126,18 @@ def drive(scheduler: Scheduler, runner, *, max_steps: int = 10_000,
         assert not plan.is_empty, "an idle step with unfinished requests"
         check_plan(plan, scheduler)
         scheduler.update(plan, runner.run(plan))
-        scheduler.allocator.check()
+        for allocator in scheduler.allocators:
+            allocator.check()
         runner.poison_free_pages(scheduler)
         if on_step is not None:
             on_step(plan)
         plans.append(plan)
     raise AssertionError(f"the scheduler did not drain in {max_steps} steps")
+
+
+def _of_replica(batch: SubBatchPlan, replica: int) -> np.ndarray:
+    replicas = np.zeros(batch.num_rows, int) if batch.replicas is None else batch.replicas
+    return replicas == replica
 
 
 def make_request(request_id: str, prompt_len: int, *, first: int = 1, **params) -> Request:
