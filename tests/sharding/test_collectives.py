@@ -22,6 +22,11 @@ from flax import nnx
 from tests.sharding.compiled import (ROWS, replica_groups, source_target_pairs,
                                      tensor_parallel_step)
 
+TENSOR_PARALLEL_CASES = [
+    ("tiny-llama", "model=2"), ("tiny-llama", "model=4"), ("tiny-llama", "data=2,model=2"),
+    ("tiny-gpt2", "model=2"),
+]
+
 
 @pytest.mark.parametrize("preset,mesh,tokens", [
     ("tiny-llama", "model=2", 1),
@@ -50,10 +55,7 @@ def test_one_all_reduce_after_attention_and_one_after_mlp_per_layer(preset, mesh
             and op.shapes == (("f32", residual),)] == [(("f32", residual),)]  # the embedding
 
 
-@pytest.mark.parametrize("preset,mesh", [
-    ("tiny-llama", "model=2"), ("tiny-llama", "model=4"), ("tiny-llama", "data=2,model=2"),
-    ("tiny-gpt2", "model=2"),
-])
+@pytest.mark.parametrize("preset,mesh", TENSOR_PARALLEL_CASES)
 def test_vocabulary_collectives_are_per_row(preset, mesh):
     step = tensor_parallel_step(preset, mesh)
     hlo, config = step.hlo, step.runner.model_config
@@ -74,10 +76,7 @@ def test_vocabulary_collectives_are_per_row(preset, mesh):
                    for dims in _arrays(op)), op.text[:200]
 
 
-@pytest.mark.parametrize("preset,mesh", [
-    ("tiny-llama", "model=2"), ("tiny-llama", "model=4"), ("tiny-llama", "data=2,model=2"),
-    ("tiny-gpt2", "model=2"),
-])
+@pytest.mark.parametrize("preset,mesh", TENSOR_PARALLEL_CASES)
 def test_no_weight_is_ever_gathered(preset, mesh):
     # The rule: every array that a collective moves is activation-sized. Each all-gather result
     # leads with the row count B (4) and holds at most one logits row per row (B * V elements);

@@ -24,6 +24,13 @@ SMOLLM2_SHAPES = dict(num_layers=2, vocab_size=1024)
 # float32 rounding of the longer head contraction alone moves them by 4e-5.
 WEIGHT_SCALE = {"smollm2-135m": 0.04}
 
+PADDED_CASES = [
+    ("tiny-llama", {}, 4),
+    ("tiny-llama", {"qkv_bias": True}, 4),
+    ("smollm2-135m", SMOLLM2_SHAPES, 2),
+    ("smollm2-135m", SMOLLM2_SHAPES, 4),
+]
+
 
 @pytest.mark.parametrize("preset,model_size,want", [
     ("tiny-llama", 1, (4, 2)),
@@ -77,12 +84,7 @@ def test_pad_heads_returns_the_model_itself_when_heads_divide():
     assert pad_heads(model, 1) is model
 
 
-@pytest.mark.parametrize("preset,overrides,model_size", [
-    ("tiny-llama", {}, 4),
-    ("tiny-llama", {"qkv_bias": True}, 4),
-    ("smollm2-135m", SMOLLM2_SHAPES, 2),
-    ("smollm2-135m", SMOLLM2_SHAPES, 4),
-])
+@pytest.mark.parametrize("preset,overrides,model_size", PADDED_CASES)
 def test_padded_weights_are_zero_and_real_weights_unchanged(preset, overrides, model_size):
     model = _model(preset, **overrides)
     padded = pad_heads(model, model_size)
@@ -113,12 +115,7 @@ def test_padded_weights_are_zero_and_real_weights_unchanged(preset, overrides, m
     assert grown == want
 
 
-@pytest.mark.parametrize("preset,overrides,model_size", [
-    ("tiny-llama", {}, 4),
-    ("tiny-llama", {"qkv_bias": True}, 4),
-    ("smollm2-135m", SMOLLM2_SHAPES, 2),
-    ("smollm2-135m", SMOLLM2_SHAPES, 4),
-])
+@pytest.mark.parametrize("preset,overrides,model_size", PADDED_CASES)
 def test_padded_model_logits_equal_the_unpadded_model(preset, overrides, model_size):
     model = _model(preset, **overrides)
     padded = pad_heads(model, model_size)
