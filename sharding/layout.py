@@ -9,6 +9,7 @@ sharding (weights, KV pages, per-row step arrays, activations) from the weights'
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Sequence
 
 import jax
@@ -43,6 +44,10 @@ def prepare(model: nnx.Module, mesh_config: MeshConfig | str | None = None, *,
         dims = rules.replicated_dims(var.axes, var.shape, mesh)
         if dims:
             replicated["/".join(map(str, path))] = dims
+    if replicated:
+        listed = ", ".join(f"{key} ({'/'.join(dims)})" for key, dims in replicated.items())
+        warnings.warn(f"mesh {mesh_config}: these weights do not divide over their mesh axes "
+                      f"and are replicated instead, which costs memory: {listed}", stacklevel=2)
     return Prepared(model=model, layout=layout, mesh_config=mesh_config, replicated=replicated)
 
 

@@ -15,6 +15,7 @@ the weights, and `meshserve.sharding.rules` pins the few that matter.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Sequence
 
 import jax
@@ -49,11 +50,10 @@ class MeshConfig:
                                  f"in {AXES}, e.g. 'data=2,model=4'")
             if name in sizes:
                 raise ValueError(f"bad mesh {text!r}: axis {name} is given twice")
-            try:
-                sizes[name] = int(value)
-            except ValueError:
+            if not re.fullmatch(r"-?[0-9]+", value.strip()):
                 raise ValueError(f"bad mesh {text!r}: size of {name} must be an integer, "
-                                 f"got {value.strip()!r}") from None
+                                 f"got {value.strip()!r}")
+            sizes[name] = int(value)
         return cls(**sizes)
 
     @classmethod

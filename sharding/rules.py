@@ -65,7 +65,8 @@ class ShardingRules:
         if len(used) != len(set(used)):
             raise ValueError(f"logical axes {tuple(axes)} put two dimensions on one mesh axis: "
                              f"{tuple(mapped)}")
-        if shape is not None and mesh is not None:
+        assert (shape is None) == (mesh is None), "divisibility needs both the shape and the mesh"
+        if shape is not None:
             mapped = [m if m is None or dim % mesh.shape[m] == 0 else None
                       for m, dim in zip(mapped, shape)]
         if only is not None:

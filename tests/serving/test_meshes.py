@@ -170,3 +170,13 @@ def test_sharded_loading_holds_one_host_tensor_at_a_time(smollm2_files, monkeypa
     q = loaded.model.layers.attn.q.kernel[...]
     assert loaded.config.num_heads == 12  # 9 heads padded for model=2
     assert {shard.data.shape for shard in q.addressable_shards} == {(30, 576, 6, 64)}
+
+
+def test_a_weight_that_does_not_divide_is_replicated_with_a_warning(tiny_model):
+    """tiny-llama's vocabulary (512) does not divide over model=3: the embedding is replicated,
+    the user is told, and the tokens are still right."""
+    requests = _tiny_requests()[:3]
+    want = _run(Engine(tiny_model, None, EngineConfig(**ENGINE)), requests)
+    with pytest.warns(UserWarning, match=r"embed/embedding \(vocab\)"):
+        engine = Engine(tiny_model, None, EngineConfig(mesh="model=3", **ENGINE))
+    _assert_same(_run(engine, requests), want)

@@ -149,7 +149,8 @@ def test_unpadded_smollm2_heads_do_not_divide_two():
 
 def test_prepare_reports_replicated_weights():
     config = ModelConfig.preset("tiny-llama", vocab_size=510)  # 510 = 2 * 255: not over 4
-    prepared = prepare(model_from_params(config, random_params(config)), "model=4")
+    with pytest.warns(UserWarning, match=r"embed/embedding \(vocab\), lm_head/kernel \(vocab\)"):
+        prepared = prepare(model_from_params(config, random_params(config)), "model=4")
     assert prepared.replicated == {"embed/embedding": ["vocab"], "lm_head/kernel": ["vocab"]}
     specs = _param_specs(prepared.layout)
     assert specs["embed/embedding"] == P() and specs["lm_head/kernel"] == P()
