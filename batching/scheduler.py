@@ -17,10 +17,10 @@ of `max_num_batched_tokens` new tokens, handed out in three passes:
      order. Admission stops at the first request whose chunk finds no free pages.
 
 Out of pages is a policy, never an error: a running request that needs a page and finds none
-preempts the newest running request not yet in this step (possibly itself, which then simply
-waits). A preempted request frees its pages, goes back to the front of the queue with
+preempts the newest running request on its replica not yet in this step (possibly itself, which
+then simply waits). A preempted request frees its pages, goes back to the front of the queue with
 `num_computed_tokens = 0`, and later recomputes its prompt and outputs so far; the token sampled
-after that recomputation is its next output. A step that preempts admits nobody, so a request just
+after that recomputation is its next output. A replica that preempts admits nobody that step, so a request just
 sent back is not readmitted straight into the same shortage. Every request passed `add`'s check that
 it fits in the whole cache, so the oldest running request always makes progress: no step can hang.
 
