@@ -62,6 +62,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    priority: int = 0  # higher is admitted first among waiting requests; ties FCFS
     replica: int = 0  # the data-parallel replica whose pages it holds (set on admission)
     seed: int = dataclasses.field(init=False)
 

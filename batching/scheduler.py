@@ -9,7 +9,8 @@ of `max_num_batched_tokens` new tokens, handed out in three passes:
   1. running requests that are decoding (one uncomputed token) get 1 token each, oldest first;
   2. running requests still mid-prompt get their next chunk:
      min(prefill_chunk, budget left, tokens left);
-  3. waiting requests are admitted first come, first served, while there is a free seat
+  3. waiting requests are admitted in queue order (higher `priority` first, then first come,
+     first served), while there is a free seat
      (`max_num_seqs`), budget, and free pages for their first chunk. The head of the queue always
      goes first, so it never starves. The others are taken from the next
      `admission_lookahead` (2 * max_num_seqs) requests: first those whose first chunk falls in the
@@ -243,7 +244,10 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self._check_fits(request)
         self._requests[request.request_id] = request
-        self.waiting.append(request)
+        # Behind every waiting request of the same or higher priority: FCFS within a priority.
+        position = next((i for i, r in enumerate(self.waiting) if r.priority < request.priority),
+                        len(self.waiting))
+        self.waiting.insert(position, request)
 
     def schedule(self) -> StepPlan:
         return build_plan(self._policy.pick_rows(self), page_size=self.config.page_size,

@@ -7,6 +7,8 @@ Subcommands:
   demo       `batch` on the shipped example prompts
   roofline   measure this machine's bandwidth and matmul rate, and decode steps against the floor
   bench      seeded offline workload through the continuous engine and the static baseline
+  serve      the gRPC server: streaming Generate, Abort, GetServerInfo, health, reflection,
+             admission control, drain on SIGTERM, Prometheus metrics (`--metrics-port`)
   convert    write a model (any `--model` form) as a meshserve checkpoint directory: orbax
              weights, config, tokenizer and manifest; `--model DIR` then loads it
 
@@ -22,8 +24,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
 import sys
 import tempfile
+import threading
 import time
 import typing
 from importlib import resources
@@ -40,6 +44,7 @@ from meshserve.model.pretrained import load_pretrained
 from meshserve.serving import roofline
 from meshserve.serving.engine import EngineConfig
 from meshserve.serving.llm import LLM
+from meshserve.serving.server import GenerationServer, ServerConfig
 
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
@@ -100,7 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--num-requests", type=int, default=64)
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--output", type=Path, help="write the results JSON here")
-    for sub in (generate, batch, demo, roof, bench):
+    serve = commands.add_parser("serve", help="the gRPC server (meshserve.v1.Generation)")
+    add_dataclass_args(serve, ServerConfig)
+    for sub in (generate, batch, demo, roof, bench, serve):
         _model_args(sub)
     convert = commands.add_parser("convert", help="write a model as a meshserve checkpoint")
     convert.add_argument("--model", default=DEFAULT_MODEL,
@@ -109,6 +116,24 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     convert.add_argument("--force", action="store_true", help="replace --out if it is not empty")
     return parser
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Serves until SIGTERM or SIGINT (drain, exit 0) or an engine failure (exit 1)."""
+    config = dataclass_from_args(ServerConfig, args)
+    llm = _load(args, needs_tokenizer=False)
+    server = GenerationServer(llm.engine, config)
+    port = server.start()
+    print(f"meshserve: serving {llm.model_config.name} on {config.host}:{port} "
+          f"(mesh {llm.engine.config.mesh})", flush=True)
+    drain = lambda *_: threading.Thread(target=server.drain, daemon=True).start()  # noqa: E731
+    signal.signal(signal.SIGTERM, drain)
+    signal.signal(signal.SIGINT, drain)
+    if server.wait():
+        print("meshserve: drained and stopped", flush=True)
+        return 0
+    print("meshserve: error: the engine failed; see the log above", file=sys.stderr, flush=True)
+    return 1
 
 
 def run_convert(args: argparse.Namespace) -> None:
@@ -320,6 +345,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 run_batch(args, demo_prompts(), Path(tmp) / "results.jsonl", show=True)
         elif args.command == "bench":
             run_bench(args, argv)
+        elif args.command == "serve":
+            return run_serve(args)
         elif args.command == "convert":
             run_convert(args)
         else:

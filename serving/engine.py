@@ -155,7 +155,7 @@ class Engine:
         self.stats.warmup_compiles += compiles.count
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, priority: int = 0) -> str:
         """Queues a request; raises ValueError, naming what to change, if it can never run."""
         params = params or SamplingParams()
         prompt_ids, text = self._prompt_ids(prompt)
@@ -163,7 +163,8 @@ class Engine:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self._check_limits(params)
-        request = Request(request_id=request_id, prompt_token_ids=prompt_ids, params=params)
+        request = Request(request_id=request_id, prompt_token_ids=prompt_ids, params=params,
+                          priority=priority)
         self.scheduler.add(request)
         self._streams[request_id] = self._new_stream(request, text)
         return request_id

@@ -468,3 +468,19 @@ def test_padded_prefill_stays_within_the_budget(seed):
 
     drive(s, _runner(s), on_step=check)
     _assert_reference_outputs(requests)
+
+
+def test_higher_priority_is_admitted_first_and_ties_stay_first_come_first_served():
+    s = Scheduler(_config(max_num_seqs=1))
+    low, high, high2, mid = (make_request("low", 4, max_tokens=1),
+                             make_request("high", 4, max_tokens=1),
+                             make_request("high2", 4, max_tokens=1),
+                             make_request("mid", 4, max_tokens=1))
+    low.priority, high.priority, high2.priority, mid.priority = 0, 2, 2, 1
+    for r in (low, high, high2, mid):
+        s.add(r)
+    assert [r.request_id for r in s.waiting] == ["high", "high2", "mid", "low"]
+    order = []
+    drive(s, _runner(s), on_step=lambda plan: order.extend(
+        rid for ids in plan.row_requests for rid in ids))
+    assert order == ["high", "high2", "mid", "low"]
