@@ -290,6 +290,7 @@ class GenerationServer:
             self.engine.add_request(sub.prompt_ids, sub.params, request_id=sub.request_id,
                                     priority=sub.priority)
         except ValueError as err:
+            self.metrics.observe_rejected("invalid")
             self._finish_submission(sub, _Failed(grpc.StatusCode.INVALID_ARGUMENT, str(err)))
 
     def _abort(self, request_id: str) -> None:
@@ -392,8 +393,12 @@ class GenerationServer:
                 self.metrics.observe_rejected("draining")
                 raise RpcError(grpc.StatusCode.UNAVAILABLE, "the server is draining; retry on "
                                "another replica")
-        prompt_ids, prompt_text = self._prompt(request)
-        params = _sampling_params(request.sampling)
+        try:
+            prompt_ids, prompt_text = self._prompt(request)
+            params = _sampling_params(request.sampling)
+        except RpcError:
+            self.metrics.observe_rejected("invalid")
+            raise
         request_id = request.request_id or f"req-{uuid.uuid4().hex[:12]}"
         sub = _Submission(request_id=request_id, prompt_ids=prompt_ids, prompt_text=prompt_text,
                           params=params, priority=request.priority, deadline=deadline)

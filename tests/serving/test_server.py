@@ -413,3 +413,23 @@ def test_sigterm_drains_in_flight_streams_then_exits_zero(tmp_path):
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_metrics_are_scraped_over_http(start):
+    import urllib.request
+
+    server, channel = start(metrics_port=0)
+    stub = pb_grpc.GenerationStub(channel)
+    _collect(stub.Generate(_request(_prompt(11), _greedy(5)), timeout=30))
+    with pytest.raises(grpc.RpcError):
+        _collect(stub.Generate(_request([5], pb.SamplingParams(temperature=-1)), timeout=30))
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
+                                  timeout=10).read().decode()
+    assert 'meshserve:generation_tokens_total{model_name="tiny-llama"} 5.0' in text
+    assert 'meshserve:time_to_first_token_seconds_count{model_name="tiny-llama"} 1.0' in text
+    assert 'meshserve:requests_rejected_total{model_name="tiny-llama",reason="invalid"} 1.0' in text
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "num_preemptions_total", "prompt_tokens_total", "e2e_request_latency_seconds",
+                 "inter_token_latency_seconds", "prefill_padding_ratio", "recompiles_total",
+                 "stage_utilisation"):
+        assert f"meshserve:{name}" in text, name
