@@ -35,7 +35,7 @@ stops, and `wait()` returns True.
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import hmac
 import logging
 import queue
 import threading
@@ -56,7 +56,7 @@ from meshserve.serving.api import generation_pb2 as pb
 from meshserve.serving.api import generation_pb2_grpc as pb_grpc
 from meshserve.serving.engine import Engine
 from meshserve.serving.metrics import ServerMetrics
-from meshserve.serving.outputs import RequestOutput
+from meshserve.serving.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class _Submission:
     outputs: queue.Queue = dataclasses.field(default_factory=queue.Queue)
     is_queued: bool = True  # still counted by admission (not yet scheduled)
     sent_tokens: int = 0
-    sent_text: int = 0
+    text: str = ""  # the output text streamed so far
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +161,6 @@ class GenerationServer:
         self._draining = False
         self._stopped = threading.Event()
         self._failed: BaseException | None = None
-        self._ids = itertools.count()
         self._load = pb.Load()
         self._health = health.HealthServicer()
         self._grpc = self._build_grpc_server()
@@ -330,12 +329,12 @@ class GenerationServer:
             return
         completion = output.outputs[0]
         new_tokens = completion.token_ids[sub.sent_tokens:]
-        new_text = completion.text[sub.sent_text:] if not output.finished else ""
+        new_text = completion.text[len(sub.text):]  # held-back text comes out at the end
         logprobs = (completion.logprobs[sub.sent_tokens:len(completion.token_ids)]
                     if completion.logprobs is not None else None)
         if new_tokens or new_text:
             sub.outputs.put(_Delta(list(new_tokens), new_text, logprobs))
-            sub.sent_tokens, sub.sent_text = len(completion.token_ids), len(completion.text)
+            sub.sent_tokens, sub.text = len(completion.token_ids), completion.text
         if output.finished:
             self._finish_submission(sub, _Finished(output))
 
@@ -375,13 +374,11 @@ class GenerationServer:
             self._finish_submission(sub, _Failed(code, message))
 
     def _aborted_output(self, sub: _Submission, request) -> RequestOutput:
-        from meshserve.serving.outputs import CompletionOutput, RequestMetrics
-
         tokens = list(request.output_token_ids) if request is not None else []
         return RequestOutput(
             request_id=sub.request_id, prompt=sub.prompt_text, prompt_token_ids=sub.prompt_ids,
             prompt_logprobs=None, finished=True, metrics=RequestMetrics(),
-            outputs=[CompletionOutput(index=0, text="", token_ids=tokens, logprobs=None,
+            outputs=[CompletionOutput(index=0, text=sub.text, token_ids=tokens, logprobs=None,
                                       finish_reason="abort")])
 
     # -- handlers -----------------------------------------------------------------------------
@@ -564,8 +561,6 @@ class _ApiKeyInterceptor(grpc.ServerInterceptor):
 
 
 def _constant_time_equal(a: str, b: str) -> bool:
-    import hmac
-
     return hmac.compare_digest(a.encode(), b.encode())
 
 

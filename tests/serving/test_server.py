@@ -433,3 +433,23 @@ def test_metrics_are_scraped_over_http(start):
                  "inter_token_latency_seconds", "prefill_padding_ratio", "recompiles_total",
                  "stage_utilisation"):
         assert f"meshserve:{name}" in text, name
+
+
+def test_drain_refuses_new_requests_and_lets_in_flight_ones_finish(start):
+    server, channel = start()
+    stub = pb_grpc.GenerationStub(channel)
+    health = health_pb2_grpc.HealthStub(channel)
+    call = stub.Generate(_request(_prompt(12), _greedy(240)), timeout=60)
+    first = next(call)
+    drainer = threading.Thread(target=server.drain, kwargs=dict(timeout=60))
+    drainer.start()
+    _wait_for(lambda: health.Check(health_pb2.HealthCheckRequest()).status
+              == health_pb2.HealthCheckResponse.NOT_SERVING)
+    with pytest.raises(grpc.RpcError) as err:
+        _collect(stub.Generate(_request([5, 6], _greedy(2)), timeout=30))
+    assert err.value.code() is grpc.StatusCode.UNAVAILABLE and "draining" in err.value.details()
+    tokens, final = _collect(call)
+    assert final.finish_reason == "length" and len(first.chunk.token_ids) + len(tokens) == 240
+    drainer.join(timeout=60)
+    assert server.wait() is True
+    assert _pages_free(server)
