@@ -453,3 +453,25 @@ def test_drain_refuses_new_requests_and_lets_in_flight_ones_finish(start):
     drainer.join(timeout=60)
     assert server.wait() is True
     assert _pages_free(server)
+
+
+@pytest.mark.slow
+def test_smollm2_chat_stream_adds_up_to_llm_chat_with_a_stop_string():
+    llm = LLM("smollm2-135m-instruct", **ENGINE)
+    messages = [{"role": "user", "content": "Count from one to ten in words."}]
+    params = SamplingParams(max_tokens=40, temperature=0, stop=["5."])
+    want = llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
+    server, channel = _start(llm)
+    try:
+        stub = pb_grpc.GenerationStub(channel)
+        request = pb.GenerateRequest(
+            chat=pb.Chat(messages=[pb.ChatMessage(**m) for m in messages]),
+            sampling=pb.SamplingParams(max_tokens=40, temperature=0, stop=["5."]))
+        responses = list(stub.Generate(request, timeout=120))
+        streamed = "".join(r.chunk.text for r in responses if r.HasField("chunk"))
+        final = responses[-1].final
+        assert streamed == final.text == want.text and "5." not in streamed
+        assert (final.finish_reason, final.stop_reason) == ("stop", "5.")
+    finally:
+        channel.close()
+        server.stop()
