@@ -11,6 +11,7 @@ Subcommands:
              admission control, drain on SIGTERM, Prometheus metrics (`--metrics-port`)
   convert    write a model (any `--model` form) as a meshserve checkpoint directory: orbax
              weights, config, tokenizer and manifest; `--model DIR` then loads it
+  client     prompts to a running `serve` (`--target`), answers streamed; `--info`: GetServerInfo
 
 Engine options are generated from `EngineConfig`'s fields, so a knob is declared once and the CLI
 follows it.
@@ -42,6 +43,7 @@ from meshserve.model.config import weight_bytes
 from meshserve.model.hub import DEFAULT_MODEL
 from meshserve.model.pretrained import load_pretrained
 from meshserve.serving import roofline
+from meshserve.serving.client import Client, ClientError, StreamChunk
 from meshserve.serving.engine import EngineConfig
 from meshserve.serving.llm import LLM
 from meshserve.serving.server import GenerationServer, ServerConfig
@@ -115,7 +117,26 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--out", required=True, type=Path, help="the checkpoint directory")
     convert.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     convert.add_argument("--force", action="store_true", help="replace --out if it is not empty")
+    _client_args(commands.add_parser("client", help="prompts to a running `meshserve serve`"))
     return parser
+
+
+def _client_args(client: argparse.ArgumentParser) -> None:
+    client.add_argument("--target", default="127.0.0.1:50051", help="the server's HOST:PORT")
+    client.add_argument("--prompt", action="append", default=[], help="repeat for several")
+    client.add_argument("--max-tokens", type=int, default=64)
+    client.add_argument("--temperature", type=float, default=0.0)
+    client.add_argument("--seed", type=int, default=None)
+    client.add_argument("--raw", action="store_true",
+                        help="send prompts as plain text, not as a chat message")
+    key = client.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None)
+    key.add_argument("--api-key-file", type=Path, default=None, help="read the api key from here")
+    client.add_argument("--tls-root-cert", type=Path, default=None,
+                        help="PEM certificate to trust; connects with TLS")
+    client.add_argument("--tls", action="store_true",
+                        help="connect with TLS, trusting the system's root certificates")
+    client.add_argument("--info", action="store_true", help="print GetServerInfo as JSON")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -134,6 +155,43 @@ def run_serve(args: argparse.Namespace) -> int:
         return 0
     print("meshserve: error: the engine failed; see the log above", file=sys.stderr, flush=True)
     return 1
+
+
+def run_client(args: argparse.Namespace) -> None:
+    """Streams each prompt's answer to stdout (one after the other, each ending in a newline),
+    its finish reason and usage to stderr; `--info` first prints GetServerInfo as JSON. Bad
+    options raise ValueError or FileNotFoundError before anything is sent; a failed RPC raises
+    ClientError."""
+    if not args.prompt and not args.info:
+        raise ValueError("give --prompt (repeatable) or --info")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            seed=args.seed)
+    api_key = args.api_key
+    if args.api_key_file is not None:
+        if not args.api_key_file.is_file():
+            raise FileNotFoundError(f"api key file {args.api_key_file} does not exist")
+        api_key = args.api_key_file.read_text().strip()
+        if not api_key:
+            raise ValueError(f"api key file {args.api_key_file} is empty")
+    if args.tls_root_cert is not None and not args.tls_root_cert.is_file():
+        raise FileNotFoundError(f"TLS root certificate {args.tls_root_cert} does not exist")
+    with Client(args.target, api_key=api_key, tls_root_cert=args.tls_root_cert,
+                tls=args.tls) as client:
+        if args.info:
+            print(json.dumps(client.server_info().as_dict(), indent=2), flush=True)
+        for prompt in args.prompt:
+            if len(args.prompt) > 1:
+                print(f">>> {prompt}", flush=True)
+            message = prompt if args.raw else [{"role": "user", "content": prompt}]
+            for item in client.stream(message, params):
+                if isinstance(item, StreamChunk):
+                    print(item.text, end="", flush=True)
+                    continue
+                print(flush=True)
+                stop = "" if item.stop_reason is None else f" ({item.stop_reason!r})"
+                print(f"[{item.finish_reason}{stop}] {item.prompt_tokens} prompt tokens "
+                      f"({item.cached_tokens} cached), {item.completion_tokens} completion "
+                      f"tokens", file=sys.stderr, flush=True)
 
 
 def run_convert(args: argparse.Namespace) -> None:
@@ -349,6 +407,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_serve(args)
         elif args.command == "convert":
             run_convert(args)
+        elif args.command == "client":
+            try:
+                run_client(args)
+            except ClientError as err:
+                print(f"meshserve: error: {err.code.name}: {err.message}", file=sys.stderr)
+                return 2
         else:
             run_roofline(args)
     except (ValueError, FileNotFoundError) as err:

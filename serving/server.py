@@ -93,6 +93,8 @@ class ServerConfig:
                      "max_concurrent_streams"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
         if self.max_queue_time is not None and self.max_queue_time <= 0:
             raise ValueError(f"max_queue_time must be > 0, got {self.max_queue_time}")
 
@@ -455,7 +457,10 @@ class GenerationServer:
         if bad:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                            f"prompt.token_ids: {bad[0]} is outside the vocabulary [0, {vocab})")
-        limit = self.config.max_prompt_tokens or self.engine.config.max_model_len - 1
+        limit = self.engine.config.max_model_len - 1
+        if self.config.max_prompt_tokens is not None:
+            limit = min(limit, self.config.max_prompt_tokens)
+        limit = min(limit, self.config.max_queued_prompt_tokens)  # more could never be admitted
         if len(ids) > limit:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                            f"prompt.{kind}: {len(ids)} tokens exceed the max prompt length of "
@@ -503,14 +508,18 @@ class _Servicer(pb_grpc.GenerationServicer):
         except RpcError as err:
             context.abort(err.code, err.message)
         context.add_callback(lambda: self._on_done(sub.request_id))
+        if not context.is_active():  # it went away before the callback was in place
+            self._on_done(sub.request_id)
         while True:
             item = sub.outputs.get()
             if isinstance(item, _Failed):
                 context.abort(item.code, item.message)
             if isinstance(item, _Delta):
-                yield pb.GenerateResponse(request_id=sub.request_id, chunk=_chunk(item))
+                yield pb.GenerateResponse(request_id=sub.request_id,
+                                          chunk=_chunk(item, sub.params.logprobs))
                 continue
-            yield pb.GenerateResponse(request_id=sub.request_id, final=_final(item.output))
+            yield pb.GenerateResponse(request_id=sub.request_id,
+                                      final=_final(item.output, sub.params))
             return
 
     def _on_done(self, request_id: str) -> None:
@@ -580,17 +589,21 @@ def _sampling_params(message: pb.SamplingParams) -> SamplingParams:
         raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {err}") from None
 
 
-def _chunk(delta: _Delta) -> pb.Chunk:
+def _chunk(delta: _Delta, num_top: int | None) -> pb.Chunk:
     chunk = pb.Chunk(token_ids=delta.token_ids, text=delta.text)
     if delta.logprobs is not None:
-        for token, entry in zip(delta.token_ids, delta.logprobs):
-            chosen = entry[token]
-            top = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None),
-                         key=lambda item: item[1].rank)
-            chunk.logprobs.append(pb.Logprobs(
-                chosen=_token_logprob(token, chosen),
-                top=[_token_logprob(t, lp) for t, lp in top]))
+        chunk.logprobs.extend(_logprobs(token, entry, num_top)
+                              for token, entry in zip(delta.token_ids, delta.logprobs))
     return chunk
+
+
+def _logprobs(token: int, entry: dict, num_top: int | None) -> pb.Logprobs:
+    """The chosen token's logprob and the `num_top` most likely, by rank."""
+    top = sorted(((t, lp) for t, lp in entry.items()
+                  if lp.rank is not None and lp.rank <= (num_top or 0)),
+                 key=lambda item: item[1].rank)
+    return pb.Logprobs(chosen=_token_logprob(token, entry[token]),
+                       top=[_token_logprob(t, lp) for t, lp in top])
 
 
 def _token_logprob(token: int, lp) -> pb.TokenLogprob:
@@ -598,10 +611,13 @@ def _token_logprob(token: int, lp) -> pb.TokenLogprob:
                            text=lp.decoded_token or "")
 
 
-def _final(output: RequestOutput) -> pb.Final:
+def _final(output: RequestOutput, params: SamplingParams) -> pb.Final:
     completion = output.outputs[0]
     stop = completion.stop_reason
-    return pb.Final(finish_reason=completion.finish_reason or "",
+    prompt = [_logprobs(token, entry, params.prompt_logprobs)
+              for token, entry in zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:])
+              if entry is not None] if output.prompt_logprobs else []
+    return pb.Final(finish_reason=completion.finish_reason or "", prompt_logprobs=prompt,
                     stop_reason="" if stop is None else str(stop),
                     text=completion.text,
                     usage=pb.Usage(prompt_tokens=len(output.prompt_token_ids),

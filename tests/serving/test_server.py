@@ -225,15 +225,30 @@ def test_server_info_health_and_reflection(served, llm):
 
 
 def test_a_full_queue_is_resource_exhausted_at_once(start):
+    """All 8 seats busy: one 15-token prompt waits, and the next one would take the queued
+    prompt tokens past 20. A prompt that alone exceeds the bound can never run: it is invalid."""
     server, channel = start(max_queued_prompt_tokens=20)
     stub = pb_grpc.GenerationStub(channel)
+    seated = []
+    for i in range(8):  # one at a time, so the queue never holds two of them
+        seated.append(stub.Generate(_request(_prompt(i), _greedy(200)), timeout=60))
+        next(seated[-1])
+    waiting = stub.Generate(_request(_prompt(50, length=15), _greedy(2)), timeout=60)
+    _wait_for(lambda: server.engine.scheduler.num_waiting == 1)
     started = time.monotonic()
     with pytest.raises(grpc.RpcError) as err:
-        _collect(stub.Generate(_request(_prompt(5, length=21), _greedy(2)), timeout=30))
+        _collect(stub.Generate(_request(_prompt(51, length=15), _greedy(2)), timeout=30))
     assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "max_queued_prompt_tokens=20" in err.value.details()
     assert time.monotonic() - started < 5
-    assert _collect(stub.Generate(_request(_prompt(5, length=20), _greedy(2)), timeout=30))[1]
+    with pytest.raises(grpc.RpcError) as err:
+        _collect(stub.Generate(_request(_prompt(52, length=21), _greedy(2)), timeout=30))
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "max prompt length of 20" in err.value.details()
+    for call in seated:
+        call.cancel()
+    assert _collect(waiting)[1].finish_reason == "length"
+    _wait_for(lambda: _pages_free(server))
 
 
 def test_the_request_bound_refuses_the_excess_of_a_burst(start):
@@ -475,3 +490,18 @@ def test_smollm2_chat_stream_adds_up_to_llm_chat_with_a_stop_string():
     finally:
         channel.close()
         server.stop()
+
+
+def test_prompt_logprobs_come_in_the_final_message(served, llm):
+    _, stub = served
+    prompt = _prompt(13, length=9)
+    responses = list(stub.Generate(_request(prompt, _greedy(2, prompt_logprobs=3)), timeout=60))
+    final = responses[-1].final
+    assert [lp.chosen.token_id for lp in final.prompt_logprobs] == prompt[1:]
+    assert all(len(lp.top) == 3 and [t.rank for t in lp.top] == [1, 2, 3]
+               for lp in final.prompt_logprobs)
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=3)
+    want = LLM("tiny-llama", **ENGINE).generate([prompt], params, use_tqdm=False)[0]
+    np.testing.assert_allclose([lp.chosen.logprob for lp in final.prompt_logprobs],
+                               [e[t].logprob for t, e in zip(prompt[1:], want.prompt_logprobs[1:])],
+                               atol=1e-5)
