@@ -1,5 +1,11 @@
-"""Offline benchmark: the same seeded requests through the continuous engine and the static
-baseline, side by side in one process, as `../shared/BENCHMARKS.md` defines them.
+"""Benchmarks: the same seeded requests through the continuous engine and the static baseline,
+side by side in one process, as `../shared/BENCHMARKS.md` defines them.
+
+Modes:
+  offline   all requests at t=0, straight into the engine (`run_offline`);
+  online    through the gRPC server on 127.0.0.1, with Poisson or gamma arrivals at a rate, or a
+            fixed concurrency (`run_online`); latencies are measured at the client
+            (`meshserve.serving.latency`: TTFT, TPOT, ITL, E2EL, goodput against named SLOs).
 
 Workloads (prompt tokens are seeded random ids; every output is forced to its target length with
 `ignore_eos` and `max_tokens`, so both policies do the same work):
@@ -26,7 +32,9 @@ import jax
 import numpy as np
 
 from meshserve.batching.sampling import SamplingParams
+from meshserve.serving import latency, loadgen
 from meshserve.serving.engine import Engine, EngineConfig
+from meshserve.serving.server import GenerationServer, ServerConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,11 +75,38 @@ def run_offline(engine: Engine, requests: list[BenchRequest]) -> dict[str, Any]:
     while engine.has_unfinished():
         num_output += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
     wall = time.perf_counter() - started
-    stats = _stats_delta(before, engine.stats)
     return {
         "wall_s": wall, "num_requests": len(requests), "output_tokens": num_output,
         "output_tokens_per_s": num_output / wall, "requests_per_s": len(requests) / wall,
         "total_tokens_per_s": (num_output + sum(len(r.prompt_token_ids) for r in requests)) / wall,
+    } | _engine_side(engine, before, wall)
+
+
+def run_online(engine: Engine, requests: list[BenchRequest], *, rate: float | None = None,
+               burstiness: float = 1.0, concurrency: int | None = None,
+               slos: latency.Slos | None = None, seed: int = 0) -> dict[str, Any]:
+    """Serves `engine` on 127.0.0.1 and sends `requests` through the gRPC client on the given
+    arrival schedule; returns the client-side summary and the engine-side counters."""
+    server = GenerationServer(engine, ServerConfig(
+        port=0, max_queued_requests=max(256, len(requests)),
+        max_queued_prompt_tokens=max(1, sum(len(r.prompt_token_ids) for r in requests))))
+    port = server.start()
+    before = dataclasses.replace(engine.stats)
+    try:
+        timings, wall = loadgen.run_online(f"127.0.0.1:{port}", requests, rate=rate,
+                                           burstiness=burstiness, concurrency=concurrency,
+                                           seed=seed)
+    finally:
+        server.stop()
+    summary = latency.summarize(timings, wall_seconds=wall, slos=slos)
+    aliases = {"output_tokens_per_s": summary["output_throughput"],
+               "requests_per_s": summary["request_throughput"]}  # the offline mode's names
+    return summary | aliases | _engine_side(engine, before, wall)
+
+
+def _engine_side(engine: Engine, before, wall: float) -> dict[str, Any]:
+    stats = _stats_delta(before, engine.stats)
+    return {
         "num_steps": stats.num_steps, "step_seconds": stats.step_seconds,
         "host_overhead": 1 - stats.step_seconds / wall,
         "prefill_padding": stats.prefill_padding, "decode_padding": stats.decode_padding,
@@ -87,14 +122,18 @@ def _stats_delta(before, after):
     return dataclasses.replace(after, **fields)
 
 
-def compare_policies(model, config: EngineConfig, requests: list[BenchRequest]
-                     ) -> dict[str, Any]:
+def compare_policies(model, config: EngineConfig, requests: list[BenchRequest], *,
+                     mode: str = "offline", **online: Any) -> dict[str, Any]:
+    """Both policies on the same requests; `online` holds `run_online`'s arrival options."""
+    if mode not in ("offline", "online"):
+        raise ValueError(f"mode must be offline or online, got {mode!r}")
     results, runner = {}, None
     for policy in ("continuous", "static"):  # warm before the clock starts; one compiled set
         engine = Engine(model, None, dataclasses.replace(config, policy=policy, warmup=True),
                         runner=runner)
         runner = engine.runner
-        results[policy] = run_offline(engine, requests)
+        results[policy] = (run_offline(engine, requests) if mode == "offline"
+                           else run_online(engine, requests, **online))
     c, s = results["continuous"], results["static"]
     results["ratio_output_tokens_per_s"] = c["output_tokens_per_s"] / s["output_tokens_per_s"]
     return results

@@ -42,7 +42,7 @@ from meshserve.model.checkpoint import check_destination, save_checkpoint
 from meshserve.model.config import weight_bytes
 from meshserve.model.hub import DEFAULT_MODEL
 from meshserve.model.pretrained import load_pretrained
-from meshserve.serving import roofline
+from meshserve.serving import latency, roofline
 from meshserve.serving.client import Client, ClientError, StreamChunk
 from meshserve.serving.engine import EngineConfig
 from meshserve.serving.llm import LLM
@@ -107,6 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--num-requests", type=int, default=64)
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--output", type=Path, help="write the results JSON here")
+    bench.add_argument("--mode", default="offline", choices=("offline", "online"),
+                       help="offline: all at t=0 into the engine; online: through the gRPC server")
+    bench.add_argument("--rate", type=float, default=None,
+                       help="online: requests/s (default: all at once)")
+    bench.add_argument("--burstiness", type=float, default=1.0,
+                       help="online: gamma shape of the gaps; 1 is Poisson, < 1 burstier")
+    bench.add_argument("--concurrency", type=int, default=None, help="online: max in flight")
+    bench.add_argument("--slo-scale", type=float, default=None,
+                       help="online: goodput against MLPerf Llama-2-70B Server SLOs (TTFT 2 s, "
+                            "TPOT 200 ms) times this factor")
     serve = commands.add_parser("serve", help="the gRPC server (meshserve.v1.Generation)")
     add_dataclass_args(serve, ServerConfig)
     for sub in (generate, batch, demo, roof, bench, serve):
@@ -210,7 +220,13 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
     llm = _load(args, needs_tokenizer=False, warmup=False)
     requests = bench.make_workload(args.workload, num_requests=args.num_requests,
                                    vocab_size=llm.model_config.vocab_size, seed=args.seed)
-    results = bench.compare_policies(llm.engine.model, llm.engine.config, requests)
+    online = {}
+    if args.mode == "online":
+        slos = None if args.slo_scale is None else latency.mlperf_server_slos(args.slo_scale)
+        online = dict(rate=args.rate, burstiness=args.burstiness, concurrency=args.concurrency,
+                      slos=slos, seed=args.seed)
+    results = bench.compare_policies(llm.engine.model, llm.engine.config, requests,
+                                     mode=args.mode, **online)
     print(f"{'policy':<11} {'out tok/s':>10} {'req/s':>7} {'prefill pad':>11} {'decode pad':>10} "
           f"{'preempt':>7} {'recompiles':>10}")
     for policy in ("continuous", "static"):
@@ -218,14 +234,31 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
         print(f"{policy:<11} {r['output_tokens_per_s']:>10.1f} {r['requests_per_s']:>7.2f} "
               f"{r['prefill_padding']:>11.1%} {r['decode_padding']:>10.1%} "
               f"{r['preemptions']:>7} {r['compiles_after_warmup']:>10}")
+    if args.mode == "online":
+        _print_latencies(results)
     print(f"continuous / static output tokens/s: {results['ratio_output_tokens_per_s']:.2f}x")
     if args.output:
         command = "meshserve " + " ".join(argv if argv is not None else sys.argv[1:])
         bench.write_results(args.output, {
             "command": command, "model": llm.model_config.name, "workload": args.workload,
-            "num_requests": args.num_requests, "seed": args.seed,
+            "num_requests": args.num_requests, "seed": args.seed, "mode": args.mode,
+            "arrivals": {k: v for k, v in online.items() if k != "slos"} or None,
             "engine_config": dataclasses.asdict(llm.engine.config),
             "environment": bench.environment(), "results": results})
+
+
+def _print_latencies(results: dict) -> None:
+    print(f"{'policy':<11} {'metric':<6} {'mean ms':>9} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9}")
+    for policy in ("continuous", "static"):
+        for metric in ("ttft", "tpot", "itl", "e2el"):
+            d = results[policy][f"{metric}_s"]
+            cells = " ".join(f"{'-' if d[k] is None else f'{d[k] * 1e3:.1f}':>9}"
+                             for k in ("mean", "median", "p90", "p99"))
+            print(f"{policy:<11} {metric:<6} {cells}")
+        goodput = results[policy]["goodput"]
+        if goodput["slos"] is not None:
+            print(f"{policy:<11} goodput {goodput['requests_per_s']:.2f} req/s under "
+                  f"{goodput['slos']['name']}")
 
 
 def _load(args: argparse.Namespace, *, needs_tokenizer: bool, warmup: bool = True) -> LLM:
