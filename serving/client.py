@@ -298,15 +298,10 @@ class _Collector:
 
 # -- the sync client -----------------------------------------------------------------------------
 
-class Stream:
-    """One streaming Generate call, already sent. Iterating yields `StreamChunk`s as tokens
-    arrive, then one `Completion`, then stops. A failed RPC raises `ClientError` from the
-    iteration. `cancel()` (or leaving a `with` block early) ends the call; the server then
-    aborts the request and frees its pages, and the iteration raises CANCELLED."""
+class _CollectedStream:
+    """What both streams expose of their collector."""
 
-    def __init__(self, call, collector: _Collector):
-        self._call, self._collector = call, collector
-        self._done = False
+    _collector: _Collector
 
     @property
     def request_id(self) -> str:
@@ -317,6 +312,17 @@ class Stream:
     def completion(self) -> Completion | None:
         """The Completion, once the iteration has reached it."""
         return self._collector.completion
+
+
+class Stream(_CollectedStream):
+    """One streaming Generate call, already sent. Iterating yields `StreamChunk`s as tokens
+    arrive, then one `Completion`, then stops. A failed RPC raises `ClientError` from the
+    iteration. `cancel()` (or leaving a `with` block early) ends the call; the server then
+    aborts the request and frees its pages, and the iteration raises CANCELLED."""
+
+    def __init__(self, call, collector: _Collector):
+        self._call, self._collector = call, collector
+        self._done = False
 
     def __iter__(self) -> Iterator[StreamChunk | Completion]:
         return self
@@ -430,7 +436,7 @@ class Client:
 
 # -- the async client ----------------------------------------------------------------------------
 
-class AsyncStream:
+class AsyncStream(_CollectedStream):
     """One streaming Generate call on `AsyncClient`: `async for` yields StreamChunks, then the
     Completion. As `Stream`, but the call is sent when the iteration starts."""
 
@@ -439,14 +445,6 @@ class AsyncStream:
         self._call = None
         self._done = False
         self._cancelled = False
-
-    @property
-    def request_id(self) -> str:
-        return self._collector.request_id
-
-    @property
-    def completion(self) -> Completion | None:
-        return self._collector.completion
 
     def __aiter__(self) -> AsyncStream:
         return self

@@ -245,11 +245,12 @@ class GenerationServer:
     def _run_loop(self) -> None:
         try:
             while not self._stopped.is_set():
-                self._take_commands(block=not self.engine.has_unfinished())
-                self._expire()
+                changed = self._take_commands(block=not self.engine.has_unfinished())
+                changed |= self._expire()
                 if not self.engine.has_unfinished():
-                    self.metrics.observe_step(self.engine, 0.0)  # gauges after aborts
-                    self._publish_load()
+                    if changed:  # the gauges after aborts; an idle loop changes nothing
+                        self.metrics.observe_step(self.engine, 0.0)
+                        self._publish_load()
                     continue
                 started = time.perf_counter()
                 outputs = self.engine.step()
@@ -268,11 +269,12 @@ class GenerationServer:
             self._stopped.set()
             threading.Thread(target=self._grpc.stop, args=(0,), daemon=True).start()
 
-    def _take_commands(self, *, block: bool) -> None:
+    def _take_commands(self, *, block: bool) -> bool:
+        """Applies every queued command; False if there was none."""
         try:
             command = self._commands.get(timeout=_IDLE_WAIT) if block else self._commands.get_nowait()
         except queue.Empty:
-            return
+            return False
         while True:
             kind, payload = command
             if kind == "add":
@@ -282,7 +284,7 @@ class GenerationServer:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return True
 
     def _add(self, sub: _Submission) -> None:
         if sub.request_id not in self._inflight:
@@ -304,12 +306,14 @@ class GenerationServer:
             self.metrics.observe_aborted(request_id)
         self._finish_submission(sub, _Finished(self._aborted_output(sub, request)))
 
-    def _expire(self) -> None:
-        """Fails requests past their client deadline, or waiting past the max queue time."""
+    def _expire(self) -> bool:
+        """Fails requests past their client deadline, or waiting past the max queue time;
+        False if none was."""
         now = time.monotonic()
         max_wait = self.config.max_queue_time
         with self._lock:
             subs = list(self._inflight.values())
+        expired = False
         for sub in subs:
             request = self.engine.scheduler.get(sub.request_id)
             if request is None:
@@ -324,6 +328,8 @@ class GenerationServer:
                 continue
             self.engine.abort(sub.request_id)
             self._finish_submission(sub, _Failed(grpc.StatusCode.DEADLINE_EXCEEDED, message))
+            expired = True
+        return expired
 
     def _deliver(self, output: RequestOutput) -> None:
         sub = self._inflight.get(output.request_id)

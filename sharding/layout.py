@@ -26,7 +26,6 @@ from meshserve.sharding.rules import DEFAULT_RULES, KV_CACHE_AXES, ROW_AXIS, Sha
 class Prepared:
     model: nnx.Module  # with heads padded where needed
     layout: DeviceLayout
-    mesh_config: MeshConfig
     replicated: dict[str, list[str]]  # weight -> logical axes left unsplit (indivisible)
 
 
@@ -48,7 +47,7 @@ def prepare(model: nnx.Module, mesh_config: MeshConfig | str | None = None, *,
         listed = ", ".join(f"{key} ({'/'.join(dims)})" for key, dims in replicated.items())
         warnings.warn(f"mesh {mesh_config}: these weights do not divide over their mesh axes "
                       f"and are replicated instead, which costs memory: {listed}", stacklevel=2)
-    return Prepared(model=model, layout=layout, mesh_config=mesh_config, replicated=replicated)
+    return Prepared(model=model, layout=layout, replicated=replicated)
 
 
 def device_layout(model: nnx.Module, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES

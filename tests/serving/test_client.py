@@ -26,23 +26,17 @@ from meshserve.serving.client import (AsyncClient, Client, ClientError, Completi
 from meshserve.serving.llm import LLM
 from meshserve.serving.server import (SERVICE_NAME, GenerationServer, ServerConfig,
                                       _sampling_params)
+from tests.serving.served import ENGINE, pages_free, prompt_ids, wait_for
 
-ENGINE = dict(num_pages=64, page_size=16, max_num_seqs=8, max_num_batched_tokens=64,
-              prefill_chunk=32, max_model_len=256, max_logprobs=5, compilation_cache=False,
-              warmup=False)
-
-
-def _prompt(seed: int, length: int = 12) -> list[int]:
-    return np.random.default_rng(seed).integers(2, 512, size=length).tolist()
 
 
 def _greedy(max_tokens: int, **fields) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **fields)
 
 
-PROMPT = _prompt(0)
-LOGPROBS_PROMPT = _prompt(1)
-BURST = [_prompt(100 + i, length=4 + i % 10) for i in range(16)]
+PROMPT = prompt_ids(0)
+LOGPROBS_PROMPT = prompt_ids(1)
+BURST = [prompt_ids(100 + i, length=4 + i % 10) for i in range(16)]
 
 
 @contextlib.contextmanager
@@ -55,16 +49,6 @@ def _serving(llm: LLM, **config):
         server.stop()
 
 
-def _wait_for(condition, timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.01)
-
-
-def _pages_free(server: GenerationServer) -> bool:
-    scheduler = server.engine.scheduler
-    return not scheduler.has_unfinished() and scheduler.kv_usage().num_used_pages == 0
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +132,7 @@ def test_logprobs_come_back_in_the_offline_shape(client, reference):
 
 
 def test_prompt_logprobs_come_back_in_the_offline_shape(client):
-    prompt = _prompt(77, length=6)
+    prompt = prompt_ids(77, length=6)
     completion = client.generate(prompt, _greedy(1, prompt_logprobs=2))
     assert completion.prompt_logprobs[0] is None and len(completion.prompt_logprobs) == 6
     for token, entry in zip(prompt[1:], completion.prompt_logprobs[1:]):
@@ -166,7 +150,7 @@ def test_a_stop_token_ends_with_its_id_as_the_stop_reason(client, reference):
 
 def test_abort_from_another_thread_ends_the_stream_with_abort(client, served):
     server, _ = served
-    stream = client.stream(_prompt(3), _greedy(200))
+    stream = client.stream(prompt_ids(3), _greedy(200))
     first = next(stream)
     aborted = []
     thread = threading.Thread(target=lambda: aborted.append(client.abort(stream.request_id)))
@@ -178,37 +162,37 @@ def test_abort_from_another_thread_ends_the_stream_with_abort(client, served):
     assert [t for c in rest for t in c.token_ids] == completion.token_ids
     assert 0 < len(completion.token_ids) == completion.completion_tokens < 200
     assert client.abort(stream.request_id) is False
-    _wait_for(lambda: _pages_free(server))
+    wait_for(lambda: pages_free(server))
 
     results = []
     worker = threading.Thread(target=lambda: results.append(
-        client.generate(_prompt(4), _greedy(200), request_id="blocking")))
+        client.generate(prompt_ids(4), _greedy(200), request_id="blocking")))
     worker.start()
-    _wait_for(lambda: server.is_inflight("blocking"))
+    wait_for(lambda: server.is_inflight("blocking"))
     assert client.abort("blocking") is True
     worker.join(timeout=30)
     assert results[0].finish_reason == "abort" and results[0].request_id == "blocking"
-    _wait_for(lambda: _pages_free(server))
+    wait_for(lambda: pages_free(server))
 
 
 def test_cancel_ends_the_call_and_frees_the_pages(client, served):
     server, _ = served
-    with client.stream(_prompt(5), _greedy(200)) as stream:
+    with client.stream(prompt_ids(5), _greedy(200)) as stream:
         next(stream), next(stream)
         stream.cancel()
         with pytest.raises(ClientError) as err:
             list(stream)
     assert err.value.code is grpc.StatusCode.CANCELLED
-    _wait_for(lambda: _pages_free(server))
+    wait_for(lambda: pages_free(server))
 
 
 def test_the_client_timeout_is_the_deadline(served):
     server, target = served
     with Client(target, timeout=0.3) as short:
         with pytest.raises(ClientError) as err:
-            short.generate(_prompt(6), _greedy(240))
+            short.generate(prompt_ids(6), _greedy(240))
     assert err.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
-    _wait_for(lambda: _pages_free(server))
+    wait_for(lambda: pages_free(server))
 
 
 def test_async_client_runs_16_concurrent_requests(served, reference):
@@ -237,7 +221,7 @@ def test_async_stream_cancel_raises_cancelled(served):
 
     async def run():
         async with AsyncClient(target, timeout=60) as client:
-            stream = client.stream(_prompt(7), _greedy(200))
+            stream = client.stream(prompt_ids(7), _greedy(200))
             async with stream:
                 await stream.__anext__()
                 stream.cancel()
@@ -246,7 +230,7 @@ def test_async_stream_cancel_raises_cancelled(served):
             return err.value.code
 
     assert asyncio.run(run()) is grpc.StatusCode.CANCELLED
-    _wait_for(lambda: _pages_free(server))
+    wait_for(lambda: pages_free(server))
 
 
 def test_server_info_and_health(client):
@@ -274,16 +258,16 @@ def test_a_text_or_chat_prompt_without_a_tokenizer_is_invalid_argument(client, p
 def test_server_side_checks_keep_their_codes(client, served):
     for prompt, params, words in (([], None, "the prompt is empty"),
                                   ([5, 100000], None, "outside the vocabulary"),
-                                  (_prompt(9), _greedy(2, logprobs=6), "max_logprobs")):
+                                  (prompt_ids(9), _greedy(2, logprobs=6), "max_logprobs")):
         with pytest.raises(ClientError) as err:
             client.generate(prompt, params)
         assert err.value.code is grpc.StatusCode.INVALID_ARGUMENT and words in err.value.message
-    with client.stream(_prompt(10), _greedy(200), request_id="twice") as first:
+    with client.stream(prompt_ids(10), _greedy(200), request_id="twice") as first:
         next(first)
         with pytest.raises(ClientError) as err:
-            client.generate(_prompt(10), _greedy(2), request_id="twice")
+            client.generate(prompt_ids(10), _greedy(2), request_id="twice")
         assert err.value.code is grpc.StatusCode.ALREADY_EXISTS
-    _wait_for(lambda: _pages_free(served[0]))
+    wait_for(lambda: pages_free(served[0]))
 
 
 @pytest.mark.parametrize("params,message", [

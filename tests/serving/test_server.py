@@ -26,14 +26,8 @@ from meshserve.serving.api import generation_pb2 as pb
 from meshserve.serving.api import generation_pb2_grpc as pb_grpc
 from meshserve.serving.llm import LLM
 from meshserve.serving.server import SERVICE_NAME, GenerationServer, ServerConfig
+from tests.serving.served import ENGINE, pages_free, prompt_ids, wait_for
 
-ENGINE = dict(num_pages=64, page_size=16, max_num_seqs=8, max_num_batched_tokens=64,
-              prefill_chunk=32, max_model_len=256, max_logprobs=5, compilation_cache=False,
-              warmup=False)
-
-
-def _prompt(seed: int, length: int = 12) -> list[int]:
-    return np.random.default_rng(seed).integers(2, 512, size=length).tolist()
 
 
 def _greedy(max_tokens: int, **fields) -> pb.SamplingParams:
@@ -77,12 +71,6 @@ def start(spare_llm):
         server.stop()
 
 
-def _wait_for(condition, timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.01)
-
 
 @pytest.fixture(scope="module")
 def llm():
@@ -115,14 +103,10 @@ def reference():
     return tokens
 
 
-def _pages_free(server: GenerationServer) -> bool:
-    scheduler = server.engine.scheduler
-    return not scheduler.has_unfinished() and scheduler.kv_usage().num_used_pages == 0
-
 
 def test_streamed_tokens_equal_llm_generate(served, reference):
     _, stub = served
-    prompt = _prompt(0)
+    prompt = prompt_ids(0)
     responses = list(stub.Generate(_request(prompt, _greedy(12)), timeout=60))
     tokens, final = _collect(responses)
     assert tokens == reference([prompt], 12)[0]
@@ -134,7 +118,7 @@ def test_streamed_tokens_equal_llm_generate(served, reference):
 
 def test_logprobs_and_a_given_request_id_come_back(served):
     _, stub = served
-    responses = list(stub.Generate(_request(_prompt(1), _greedy(3, logprobs=2),
+    responses = list(stub.Generate(_request(prompt_ids(1), _greedy(3, logprobs=2),
                                             request_id="mine"), timeout=60))
     assert {r.request_id for r in responses} == {"mine"}
     chunks = [r.chunk for r in responses if r.HasField("chunk")]
@@ -148,7 +132,7 @@ def test_logprobs_and_a_given_request_id_come_back(served):
 
 def test_64_concurrent_streams_all_complete_correctly(served, reference):
     _, stub = served
-    prompts = [_prompt(100 + i, length=4 + i % 20) for i in range(64)]
+    prompts = [prompt_ids(100 + i, length=4 + i % 20) for i in range(64)]
     want = reference(prompts, 6)
     with futures.ThreadPoolExecutor(64) as pool:
         got = list(pool.map(
@@ -158,30 +142,30 @@ def test_64_concurrent_streams_all_complete_correctly(served, reference):
 
 def test_a_cancel_mid_stream_frees_the_pages(served):
     server, stub = served
-    call = stub.Generate(_request(_prompt(2), _greedy(200)), timeout=60)
+    call = stub.Generate(_request(prompt_ids(2), _greedy(200)), timeout=60)
     next(call), next(call)  # streaming
     assert server.engine.scheduler.kv_usage().num_used_pages > 0
     call.cancel()
-    _wait_for(lambda: _pages_free(server))
+    wait_for(lambda: pages_free(server))
 
 
 def test_abort_by_id_ends_the_stream_with_abort(served):
     server, stub = served
-    call = stub.Generate(_request(_prompt(3), _greedy(200), request_id="to-abort"), timeout=60)
+    call = stub.Generate(_request(prompt_ids(3), _greedy(200), request_id="to-abort"), timeout=60)
     next(call)
     assert stub.Abort(pb.AbortRequest(request_id="to-abort")).aborted
     _, final = _collect(call)
     assert final.finish_reason == "abort"
     assert not stub.Abort(pb.AbortRequest(request_id="to-abort")).aborted
-    _wait_for(lambda: _pages_free(server))
+    wait_for(lambda: pages_free(server))
 
 
 def test_a_passed_deadline_is_deadline_exceeded_and_frees_pages(served):
     server, stub = served
     with pytest.raises(grpc.RpcError) as err:
-        _collect(stub.Generate(_request(_prompt(4), _greedy(240)), timeout=0.3))
+        _collect(stub.Generate(_request(prompt_ids(4), _greedy(240)), timeout=0.3))
     assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
-    _wait_for(lambda: _pages_free(server))
+    wait_for(lambda: pages_free(server))
 
 
 @pytest.mark.parametrize("request_,field", [
@@ -193,7 +177,7 @@ def test_a_passed_deadline_is_deadline_exceeded_and_frees_pages(served):
     (_request(list(range(2, 300)), pb.SamplingParams()), "max prompt length"),
     (pb.GenerateRequest(sampling=pb.SamplingParams()), "set one of text, token_ids or chat"),
     (pb.GenerateRequest(text="hello"), "no tokenizer"),
-    (_request(_prompt(9), pb.SamplingParams(max_tokens=250)), "max_model_len"),
+    (_request(prompt_ids(9), pb.SamplingParams(max_tokens=250)), "max_model_len"),
 ])
 def test_bad_input_is_invalid_argument_naming_the_field(served, request_, field):
     _, stub = served
@@ -231,24 +215,24 @@ def test_a_full_queue_is_resource_exhausted_at_once(start):
     stub = pb_grpc.GenerationStub(channel)
     seated = []
     for i in range(8):  # one at a time, so the queue never holds two of them
-        seated.append(stub.Generate(_request(_prompt(i), _greedy(200)), timeout=60))
+        seated.append(stub.Generate(_request(prompt_ids(i), _greedy(200)), timeout=60))
         next(seated[-1])
-    waiting = stub.Generate(_request(_prompt(50, length=15), _greedy(2)), timeout=60)
-    _wait_for(lambda: server.engine.scheduler.num_waiting == 1)
+    waiting = stub.Generate(_request(prompt_ids(50, length=15), _greedy(2)), timeout=60)
+    wait_for(lambda: server.engine.scheduler.num_waiting == 1)
     started = time.monotonic()
     with pytest.raises(grpc.RpcError) as err:
-        _collect(stub.Generate(_request(_prompt(51, length=15), _greedy(2)), timeout=30))
+        _collect(stub.Generate(_request(prompt_ids(51, length=15), _greedy(2)), timeout=30))
     assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "max_queued_prompt_tokens=20" in err.value.details()
     assert time.monotonic() - started < 5
     with pytest.raises(grpc.RpcError) as err:
-        _collect(stub.Generate(_request(_prompt(52, length=21), _greedy(2)), timeout=30))
+        _collect(stub.Generate(_request(prompt_ids(52, length=21), _greedy(2)), timeout=30))
     assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert "max prompt length of 20" in err.value.details()
     for call in seated:
         call.cancel()
     assert _collect(waiting)[1].finish_reason == "length"
-    _wait_for(lambda: _pages_free(server))
+    wait_for(lambda: pages_free(server))
 
 
 def test_the_request_bound_refuses_the_excess_of_a_burst(start):
@@ -257,7 +241,7 @@ def test_the_request_bound_refuses_the_excess_of_a_burst(start):
 
     def one(i):
         try:
-            return _collect(stub.Generate(_request(_prompt(i), _greedy(40)), timeout=60))[1]
+            return _collect(stub.Generate(_request(prompt_ids(i), _greedy(40)), timeout=60))[1]
         except grpc.RpcError as err:
             return err.code()
 
@@ -266,13 +250,13 @@ def test_the_request_bound_refuses_the_excess_of_a_burst(start):
     refused = [r for r in results if r is grpc.StatusCode.RESOURCE_EXHAUSTED]
     done = [r for r in results if isinstance(r, pb.Final)]
     assert refused and done and len(refused) + len(done) == 40
-    _wait_for(lambda: _pages_free(server))
+    wait_for(lambda: pages_free(server))
 
 
 def test_max_queue_time_fails_a_waiting_request(start):
     server, channel = start(max_queue_time=0.2)
     stub = pb_grpc.GenerationStub(channel)
-    calls = [stub.Generate(_request(_prompt(i), _greedy(120)), timeout=60) for i in range(12)]
+    calls = [stub.Generate(_request(prompt_ids(i), _greedy(120)), timeout=60) for i in range(12)]
     codes = []
     for call in calls:  # 8 seats: the last 4 wait far longer than 0.2 s
         try:
@@ -281,7 +265,7 @@ def test_max_queue_time_fails_a_waiting_request(start):
         except grpc.RpcError as err:
             codes.append(err.code())
     assert grpc.StatusCode.DEADLINE_EXCEEDED in codes and grpc.StatusCode.OK in codes
-    _wait_for(lambda: _pages_free(server))
+    wait_for(lambda: pages_free(server))
 
 
 def test_an_api_key_is_required_on_generation_but_not_on_health(start, tmp_path):
@@ -352,7 +336,7 @@ def test_an_engine_failure_flips_health_and_fails_streams_with_internal():
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     with pytest.raises(grpc.RpcError) as err:
-        _collect(stub.Generate(_request(_prompt(6), _greedy(50)), timeout=30))
+        _collect(stub.Generate(_request(prompt_ids(6), _greedy(50)), timeout=30))
     assert err.value.code() is grpc.StatusCode.INTERNAL
     assert "device lost" in err.value.details()
     assert server.wait() is False
@@ -372,7 +356,7 @@ def test_a_bounded_load_test_loses_nothing(start):
 
     def client(c):
         for i in range(12):
-            prompt = _prompt(1000 + 12 * c + i, length=int(rng.integers(2, 60)))
+            prompt = prompt_ids(1000 + 12 * c + i, length=int(rng.integers(2, 60)))
             timeout = 0.2 if i % 5 == 4 else 60
             try:
                 call = stub.Generate(_request(prompt, _greedy(int(rng.integers(1, 30)))),
@@ -398,7 +382,7 @@ def test_a_bounded_load_test_loses_nothing(start):
     assert set(outcomes) <= {"length", "cancelled", "CANCELLED", "RESOURCE_EXHAUSTED",
                              "DEADLINE_EXCEEDED"}, set(outcomes)
     assert outcomes.count("length") > 0
-    _wait_for(lambda: _pages_free(server))
+    wait_for(lambda: pages_free(server))
     assert not server._inflight
 
 
@@ -418,7 +402,7 @@ def test_sigterm_drains_in_flight_streams_then_exits_zero(tmp_path):
         port = int(line.split(":")[-1].split()[0])
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         stub = pb_grpc.GenerationStub(channel)
-        call = stub.Generate(_request(_prompt(8), _greedy(120)), timeout=60)
+        call = stub.Generate(_request(prompt_ids(8), _greedy(120)), timeout=60)
         first = next(call)
         process.send_signal(signal.SIGTERM)
         tokens, final = _collect(call)
@@ -435,7 +419,7 @@ def test_metrics_are_scraped_over_http(start):
 
     server, channel = start(metrics_port=0)
     stub = pb_grpc.GenerationStub(channel)
-    _collect(stub.Generate(_request(_prompt(11), _greedy(5)), timeout=30))
+    _collect(stub.Generate(_request(prompt_ids(11), _greedy(5)), timeout=30))
     with pytest.raises(grpc.RpcError):
         _collect(stub.Generate(_request([5], pb.SamplingParams(temperature=-1)), timeout=30))
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
@@ -454,11 +438,11 @@ def test_drain_refuses_new_requests_and_lets_in_flight_ones_finish(start):
     server, channel = start()
     stub = pb_grpc.GenerationStub(channel)
     health = health_pb2_grpc.HealthStub(channel)
-    call = stub.Generate(_request(_prompt(12), _greedy(240)), timeout=60)
+    call = stub.Generate(_request(prompt_ids(12), _greedy(240)), timeout=60)
     first = next(call)
     drainer = threading.Thread(target=server.drain, kwargs=dict(timeout=60))
     drainer.start()
-    _wait_for(lambda: health.Check(health_pb2.HealthCheckRequest()).status
+    wait_for(lambda: health.Check(health_pb2.HealthCheckRequest()).status
               == health_pb2.HealthCheckResponse.NOT_SERVING)
     with pytest.raises(grpc.RpcError) as err:
         _collect(stub.Generate(_request([5, 6], _greedy(2)), timeout=30))
@@ -467,7 +451,7 @@ def test_drain_refuses_new_requests_and_lets_in_flight_ones_finish(start):
     assert final.finish_reason == "length" and len(first.chunk.token_ids) + len(tokens) == 240
     drainer.join(timeout=60)
     assert server.wait() is True
-    assert _pages_free(server)
+    assert pages_free(server)
 
 
 @pytest.mark.slow
@@ -494,7 +478,7 @@ def test_smollm2_chat_stream_adds_up_to_llm_chat_with_a_stop_string():
 
 def test_prompt_logprobs_come_in_the_final_message(served, llm):
     _, stub = served
-    prompt = _prompt(13, length=9)
+    prompt = prompt_ids(13, length=9)
     responses = list(stub.Generate(_request(prompt, _greedy(2, prompt_logprobs=3)), timeout=60))
     final = responses[-1].final
     assert [lp.chosen.token_id for lp in final.prompt_logprobs] == prompt[1:]

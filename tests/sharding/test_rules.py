@@ -234,12 +234,12 @@ def test_kv_cache_and_row_shardings(mesh, replicas):
     runner = ModelRunner(prepared.model, _runner_config(), layout)
     for pages in (runner.cache.k, runner.cache.v):
         assert pages.sharding.spec == cache
-        c, m = prepared.model.config, prepared.mesh_config
+        c, m = prepared.model.config, layout.mesh.shape
         pool = runner.config.num_pages * replicas
         assert pages.shape == (c.num_layers, c.num_kv_heads, pool, runner.config.page_size,
                                c.head_dim)
         assert {s.data.shape for s in pages.addressable_shards} == {
-            (c.num_layers, c.num_kv_heads // m.model, pool // m.data, runner.config.page_size,
+            (c.num_layers, c.num_kv_heads // m["model"], pool // m["data"], runner.config.page_size,
              c.head_dim)}
 
 
