@@ -1,0 +1,196 @@
+"""Peer baselines for `meshserve bench --compare`: the same requests through another engine.
+
+Two peers, both on the CPU and both optional:
+
+  hf          HF transformers `generate` on torch, in static batches
+              (`pip install 'meshserve[peers-hf]'`);
+  llama-cpp   llama.cpp through `llama-cpp-python`, on the same GGUF file
+              (`pip install 'meshserve[peers-llama-cpp]'`).
+
+`run_peer` raises `PeerUnavailable` when the peer's library is not installed or the peer cannot
+load the model (a random-weight preset, a meshserve checkpoint, a file the library rejects), so
+the caller can skip it with the message.
+
+Every request produces exactly its `num_output_tokens`, greedily, whatever the model says about
+end of sequence, so a peer does the same work as meshserve:
+
+* hf batches up to `max_batch_size` requests in arrival order, left-pads their prompts to the
+  longest, and decodes with `min_new_tokens = max_new_tokens` until the batch's longest request
+  ends, as the static baseline does. Only each request's own `num_output_tokens` count. An HF
+  directory loads directly; a GGUF file is dequantized by transformers (`gguf_file=`) to float32.
+* llama-cpp has no batched generation in its Python API, so it serves requests one at a time,
+  evaluating each prompt and then one sampled token per step.
+
+Model loading is not timed. One short warm-up generation runs before the clock starts.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any, Protocol
+
+from meshserve.model.config import PRESETS
+from meshserve.model.hub import ModelFiles, ModelNotFoundError, known_models, resolve_model
+
+PEERS = ("hf", "llama-cpp")
+WARMUP_TOKENS = 4
+PAD_TOKEN_ID = 0  # masked out by the attention mask, so any id in the vocabulary serves
+
+# Errors a library raises when it cannot read or does not support a model file.
+LOAD_ERRORS = (OSError, ValueError, KeyError, ImportError, NotImplementedError, RuntimeError)
+
+
+class PeerUnavailable(RuntimeError):
+    """A peer cannot run here: its library is missing or it cannot load the model."""
+
+
+class PeerRequest(Protocol):
+    prompt_token_ids: list[int]
+    num_output_tokens: int
+
+
+def run_peer(name: str, model: str, requests: Sequence[PeerRequest], *,
+             max_batch_size: int = 16, threads: int | None = None) -> dict[str, Any]:
+    """Run `requests` through the peer `name` on `model` and return its throughput.
+
+    The result has the keys peer, wall_s, output_tokens, output_tokens_per_s, requests_per_s,
+    num_requests, version (the peer library's) and threads (the CPU threads it used).
+    """
+    if name not in PEERS:
+        raise ValueError(f"Unknown peer {name!r}; choose one of {', '.join(PEERS)}")
+    if not requests:
+        raise ValueError("run_peer needs at least one request")
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
+    files = _model_files(name, model)
+    if name == "hf":
+        wall_s, version, used_threads = _run_hf(files, requests, max_batch_size, threads)
+    else:
+        wall_s, version, used_threads = _run_llama_cpp(files, requests, threads)
+    output_tokens = sum(r.num_output_tokens for r in requests)
+    return {
+        "peer": name,
+        "wall_s": wall_s,
+        "output_tokens": output_tokens,
+        "output_tokens_per_s": output_tokens / wall_s,
+        "requests_per_s": len(requests) / wall_s,
+        "num_requests": len(requests),
+        "version": version,
+        "threads": used_threads,
+    }
+
+
+def _model_files(peer: str, model: str) -> ModelFiles:
+    if model in PRESETS:
+        raise PeerUnavailable(
+            f"The {peer} peer needs real weights, but {model!r} is a random-weight preset; pass a "
+            f".gguf file, an HF directory or a known model ({', '.join(known_models())})."
+        )
+    try:
+        files = resolve_model(model)
+    except ModelNotFoundError as err:
+        raise PeerUnavailable(f"The {peer} peer cannot find the model: {err}") from err
+    if files.kind == "orbax":
+        raise PeerUnavailable(
+            f"The {peer} peer cannot load the meshserve checkpoint {files.path}; pass the .gguf "
+            "file or HF directory it was converted from."
+        )
+    if peer == "llama-cpp" and files.kind != "gguf":
+        raise PeerUnavailable(f"The llama-cpp peer needs a GGUF file, but {files.path} is an HF "
+                              "directory; pass the model as a .gguf file.")
+    return files
+
+
+def _require(module: str, extra: str) -> ModuleType:
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise PeerUnavailable(f"{module} is not installed ({err}); "
+                              f"pip install 'meshserve[{extra}]'") from err
+
+
+def _run_hf(files: ModelFiles, requests: Sequence[PeerRequest], max_batch_size: int,
+            threads: int | None) -> tuple[float, str, int]:
+    torch = _require("torch", "peers-hf")
+    transformers = _require("transformers", "peers-hf")
+    model = _load_hf(transformers, files)
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        used_threads = torch.get_num_threads()
+        with torch.inference_mode():
+            _hf_generate(torch, model, [requests[0].prompt_token_ids],
+                         min(WARMUP_TOKENS, requests[0].num_output_tokens))
+            start = time.perf_counter()
+            for i in range(0, len(requests), max_batch_size):
+                batch = requests[i:i + max_batch_size]
+                _hf_generate(torch, model, [r.prompt_token_ids for r in batch],
+                             max(r.num_output_tokens for r in batch))
+            wall_s = time.perf_counter() - start
+    finally:
+        torch.set_num_threads(previous_threads)
+    return wall_s, transformers.__version__, used_threads
+
+
+def _load_hf(transformers: ModuleType, files: ModelFiles) -> Any:
+    path = files.path
+    if files.kind == "gguf":
+        source, extra = str(path.parent), {"gguf_file": path.name}
+    else:
+        source, extra = str(path), {}
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(source, **extra)
+    except LOAD_ERRORS as err:
+        raise PeerUnavailable(f"transformers cannot load {path}: {err}") from err
+    return model.float().eval()
+
+
+def _hf_generate(torch: ModuleType, model: Any, prompts: list[list[int]], new_tokens: int) -> None:
+    """Generate exactly `new_tokens` tokens for every prompt, left-padded into one batch."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[PAD_TOKEN_ID] * (width - len(p)) + list(p) for p in prompts])
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    output = model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                            max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                            do_sample=False, pad_token_id=PAD_TOKEN_ID)
+    if output.shape[1] - width != new_tokens:
+        raise RuntimeError(f"transformers generated {output.shape[1] - width} tokens per "
+                           f"sequence, expected {new_tokens}")
+
+
+def _run_llama_cpp(files: ModelFiles, requests: Sequence[PeerRequest],
+                   threads: int | None) -> tuple[float, str, int]:
+    llama_cpp = _require("llama_cpp", "peers-llama-cpp")
+    n_ctx = max(len(r.prompt_token_ids) + r.num_output_tokens for r in requests)
+    try:
+        llama = llama_cpp.Llama(model_path=str(files.path), n_ctx=n_ctx, n_threads=threads,
+                                n_threads_batch=threads, verbose=False)
+    except LOAD_ERRORS as err:
+        raise PeerUnavailable(f"llama.cpp cannot load {files.path}: {err}") from err
+    _llama_generate(llama, requests[0].prompt_token_ids,
+                    min(WARMUP_TOKENS, requests[0].num_output_tokens))
+    start = time.perf_counter()
+    for r in requests:
+        _llama_generate(llama, r.prompt_token_ids, r.num_output_tokens)
+    wall_s = time.perf_counter() - start
+    return wall_s, llama_cpp.__version__, llama.n_threads
+
+
+def _llama_generate(llama: Any, prompt: list[int], new_tokens: int) -> list[int]:
+    """Greedily generate exactly `new_tokens` tokens after `prompt`, from an empty cache.
+
+    `reset` drops the previous request's tokens, so no prompt prefix is reused across requests.
+    End of sequence does not stop the loop; the last sampled token is never evaluated.
+    """
+    llama.reset()
+    llama.eval(prompt)
+    tokens: list[int] = []
+    while len(tokens) < new_tokens:
+        if tokens:
+            llama.eval(tokens[-1:])
+        tokens.append(llama.sample(temp=0.0))
+    return tokens
