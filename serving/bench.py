@@ -14,25 +14,38 @@ Workloads (prompt tokens are seeded random ids; every output is forced to its ta
   long        prompts uniform in [256, 1024], outputs uniform in [16, 128]
   fixed-IxO   every request has I prompt and O output tokens, e.g. fixed-128x64
 
-Reported per policy: output tokens/s, request/s, padding waste (prefill and decode), preemptions,
-compiles after warm-up, and the ratios continuous/static.
+  jsonl:PATH  the user's own prompts (`load_jsonl_workload`): one JSON object a line with
+              `prompt` (text, through the model's tokenizer) or `prompt_token_ids`, and an
+              optional `max_tokens` (the output length)
+
+Reported per policy: output tokens/s, request/s, padding waste (prefill and decode), host
+overhead, KV pages and internal fragmentation (sampled after every step), preemptions, compiles
+after warm-up, and the ratios continuous/static. Around that: the decode roofline of this machine
+(`run_roofline`), sweeps over rates or concurrencies, the highest Poisson rate that still meets
+the SLOs (`find_max_rate`), and peers (`run_peers`, through `meshserve.serving.peers`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 import platform
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import numpy as np
+from tqdm.auto import tqdm
 
 from meshserve.batching.sampling import SamplingParams
-from meshserve.serving import latency, loadgen
+from meshserve.batching.scheduler import KVUsage
+from meshserve.model.config import kv_bytes_per_token
+from meshserve.model.runner import ModelRunner, RunnerConfig
+from meshserve.serving import latency, loadgen, roofline
 from meshserve.serving.engine import Engine, EngineConfig
 from meshserve.serving.server import GenerationServer, ServerConfig
 
@@ -64,27 +77,98 @@ def _lengths(name: str, n: int, rng: np.random.Generator) -> tuple[np.ndarray, n
     raise ValueError(f"unknown workload {name!r}; use chat-mix, long or fixed-IxO (fixed-128x64)")
 
 
-def run_offline(engine: Engine, requests: list[BenchRequest]) -> dict[str, Any]:
-    """All requests at t=0; returns throughput and the engine-side counters."""
+JSONL_FIELDS = {"prompt", "prompt_token_ids", "max_tokens", "id"}
+
+
+def load_jsonl_workload(path: str | Path, *, tokenizer=None, vocab_size: int | None = None,
+                        default_max_tokens: int = 64) -> list[BenchRequest]:
+    """The requests of a JSONL file: each non-blank line `{"prompt": "text"}` or
+    `{"prompt_token_ids": [...]}`, with an optional `"max_tokens"` (default `default_max_tokens`)
+    and `"id"`. Text is encoded with `tokenizer`. A bad line raises ValueError naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"workload file {path} does not exist")
+    requests = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if line.strip():
+            requests.append(_parse_workload_line(line, f"{path}:{number}", tokenizer=tokenizer,
+                                                 vocab_size=vocab_size,
+                                                 default_max_tokens=default_max_tokens))
+    if not requests:
+        raise ValueError(f"workload file {path} holds no requests")
+    return requests
+
+
+def _parse_workload_line(line: str, where: str, *, tokenizer, vocab_size: int | None,
+                         default_max_tokens: int) -> BenchRequest:
+    try:
+        entry = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where}: not valid JSON ({err.msg})") from None
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where}: each line must be a JSON object")
+    if unknown := set(entry) - JSONL_FIELDS:
+        raise ValueError(f"{where}: unknown fields {sorted(unknown)}")
+    if ("prompt" in entry) == ("prompt_token_ids" in entry):
+        raise ValueError(f"{where}: give exactly one of prompt, prompt_token_ids")
+    max_tokens = entry.get("max_tokens", default_max_tokens)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"{where}: max_tokens must be an integer >= 1, got {max_tokens!r}")
+    if "prompt" in entry:
+        text = entry["prompt"]
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"{where}: prompt must be a non-empty string")
+        if tokenizer is None:
+            raise ValueError(f"{where}: a text prompt needs the model's tokenizer and this model "
+                             "has none; give prompt_token_ids instead")
+        ids = tokenizer.encode(text)
+    else:
+        ids = entry["prompt_token_ids"]
+        if (not isinstance(ids, list) or not ids
+                or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids)):
+            raise ValueError(f"{where}: prompt_token_ids must be a non-empty list of "
+                             "integers >= 0")
+        if vocab_size is not None and max(ids) >= vocab_size:
+            raise ValueError(f"{where}: token id {max(ids)} is outside the vocabulary of "
+                             f"{vocab_size}")
+    return BenchRequest(prompt_token_ids=list(ids), num_output_tokens=max_tokens)
+
+
+def run_offline(engine: Engine, requests: list[BenchRequest], *,
+                progress: bool = False) -> dict[str, Any]:
+    """All requests at t=0; returns throughput, the engine-side counters, and each request's
+    TTFT and E2EL from the engine's clock (send time = t=0)."""
     before = dataclasses.replace(engine.stats)
-    started = time.perf_counter()
-    for req in requests:
-        engine.add_request(req.prompt_token_ids, SamplingParams(
-            max_tokens=req.num_output_tokens, ignore_eos=True, temperature=0.0))
-    num_output = 0
-    while engine.has_unfinished():
-        num_output += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
-    wall = time.perf_counter() - started
+    ttfts, e2els = [], []
+    with _kv_sampler(engine) as kv, tqdm(total=len(requests), desc="requests", unit="req",
+                                         disable=not progress, leave=False) as bar:
+        started, started_mono = time.perf_counter(), time.monotonic()
+        for req in requests:
+            engine.add_request(req.prompt_token_ids, SamplingParams(
+                max_tokens=req.num_output_tokens, ignore_eos=True, temperature=0.0))
+        num_output = 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                if not out.finished:
+                    continue
+                num_output += len(out.outputs[0].token_ids)
+                ttfts.append(out.metrics.first_token_time - started_mono)
+                e2els.append(out.metrics.last_token_time - started_mono)
+                bar.update(1)
+        wall = time.perf_counter() - started
     return {
         "wall_s": wall, "num_requests": len(requests), "output_tokens": num_output,
         "output_tokens_per_s": num_output / wall, "requests_per_s": len(requests) / wall,
         "total_tokens_per_s": (num_output + sum(len(r.prompt_token_ids) for r in requests)) / wall,
-    } | _engine_side(engine, before, wall)
+        "ttft_s": latency.distribution(ttfts), "e2el_s": latency.distribution(e2els),
+        "samples": {"ttft_s": ttfts, "e2el_s": e2els},
+    } | _engine_side(engine, before, wall, kv)
 
 
 def run_online(engine: Engine, requests: list[BenchRequest], *, rate: float | None = None,
                burstiness: float = 1.0, concurrency: int | None = None,
-               slos: latency.Slos | None = None, seed: int = 0) -> dict[str, Any]:
+               slos: latency.Slos | None = None, seed: int = 0,
+               progress: bool = False) -> dict[str, Any]:
     """Serves `engine` on 127.0.0.1 and sends `requests` through the gRPC client on the given
     arrival schedule; returns the client-side summary and the engine-side counters."""
     server = GenerationServer(engine, ServerConfig(
@@ -93,26 +177,68 @@ def run_online(engine: Engine, requests: list[BenchRequest], *, rate: float | No
     port = server.start()
     before = dataclasses.replace(engine.stats)
     try:
-        timings, wall = loadgen.run_online(f"127.0.0.1:{port}", requests, rate=rate,
-                                           burstiness=burstiness, concurrency=concurrency,
-                                           seed=seed)
+        with _kv_sampler(engine) as kv:
+            timings, wall = loadgen.run_online(f"127.0.0.1:{port}", requests, rate=rate,
+                                               burstiness=burstiness, concurrency=concurrency,
+                                               seed=seed, progress=progress)
     finally:
         server.stop()
     summary = latency.summarize(timings, wall_seconds=wall, slos=slos)
     aliases = {"output_tokens_per_s": summary["output_throughput"],
                "requests_per_s": summary["request_throughput"]}  # the offline mode's names
-    return summary | aliases | _engine_side(engine, before, wall)
+    done = [t for t in timings if t.completed]
+    samples = {"ttft_s": [t.ttft for t in done if t.ttft is not None],
+               "tpot_s": [t.tpot for t in done if t.tpot is not None],
+               "e2el_s": [t.e2el for t in done if t.e2el is not None]}
+    return summary | aliases | {"samples": samples} | _engine_side(engine, before, wall, kv)
 
 
-def _engine_side(engine: Engine, before, wall: float) -> dict[str, Any]:
+@contextlib.contextmanager
+def _kv_sampler(engine: Engine) -> Iterator[list[KVUsage]]:
+    """Records `engine.scheduler.kv_usage()` after every `engine.step()` inside the block,
+    whichever thread steps the engine."""
+    samples: list[KVUsage] = []
+    step = engine.step
+
+    def sampled_step():
+        outputs = step()
+        samples.append(engine.scheduler.kv_usage())
+        return outputs
+
+    engine.step = sampled_step
+    try:
+        yield samples
+    finally:
+        del engine.step  # back to the class's method
+
+
+def kv_fragmentation(samples: Sequence[KVUsage]) -> dict[str, Any]:
+    """Peak used pages and internal fragmentation (allocated token slots holding no token, over
+    allocated slots) across per-step samples; the mean is over samples with pages allocated."""
+    fractions = [u.num_empty_slots / u.num_allocated_slots for u in samples
+                 if u.num_allocated_slots]
+    return {
+        "num_samples": len(samples),
+        "peak_used_pages": max((u.num_used_pages for u in samples), default=0),
+        "total_pages": samples[0].num_total_pages if samples else None,
+        "peak_fragmentation": max(fractions, default=0.0),
+        "mean_fragmentation": float(np.mean(fractions)) if fractions else 0.0,
+    }
+
+
+def _engine_side(engine: Engine, before, wall: float,
+                 kv_samples: Sequence[KVUsage]) -> dict[str, Any]:
     stats = _stats_delta(before, engine.stats)
     return {
         "num_steps": stats.num_steps, "step_seconds": stats.step_seconds,
+        "host_seconds": wall - stats.step_seconds,
         "host_overhead": 1 - stats.step_seconds / wall,
         "prefill_padding": stats.prefill_padding, "decode_padding": stats.decode_padding,
         "preemptions": engine.scheduler.num_preemptions,
         "compiles_after_warmup": stats.compiles_after_warmup,
+        "recompiles": stats.compiles_after_warmup,
         "peak_kv_pages": engine.scheduler.kv_usage().num_peak_used_pages,
+        "kv": kv_fragmentation(kv_samples),
     }
 
 
@@ -122,20 +248,165 @@ def _stats_delta(before, after):
     return dataclasses.replace(after, **fields)
 
 
+POLICIES = ("continuous", "static")
+
+
+def make_engines(model, config: EngineConfig) -> dict[str, Engine]:
+    """One warmed engine per policy, sharing one runner (one compiled set)."""
+    engines, runner = {}, None
+    for policy in POLICIES:
+        engine = Engine(model, None, dataclasses.replace(config, policy=policy, warmup=True),
+                        runner=runner)
+        engines[policy], runner = engine, engine.runner
+    return engines
+
+
 def compare_policies(model, config: EngineConfig, requests: list[BenchRequest], *,
-                     mode: str = "offline", **online: Any) -> dict[str, Any]:
+                     mode: str = "offline", engines: dict[str, Engine] | None = None,
+                     progress: bool = False, **online: Any) -> dict[str, Any]:
     """Both policies on the same requests; `online` holds `run_online`'s arrival options."""
     if mode not in ("offline", "online"):
         raise ValueError(f"mode must be offline or online, got {mode!r}")
-    results, runner = {}, None
-    for policy in ("continuous", "static"):  # warm before the clock starts; one compiled set
-        engine = Engine(model, None, dataclasses.replace(config, policy=policy, warmup=True),
-                        runner=runner)
-        runner = engine.runner
-        results[policy] = (run_offline(engine, requests) if mode == "offline"
-                           else run_online(engine, requests, **online))
+    engines = engines or make_engines(model, config)
+    results = {}
+    for policy in POLICIES:
+        engine = engines[policy]
+        results[policy] = (run_offline(engine, requests, progress=progress) if mode == "offline"
+                           else run_online(engine, requests, progress=progress, **online))
     c, s = results["continuous"], results["static"]
     results["ratio_output_tokens_per_s"] = c["output_tokens_per_s"] / s["output_tokens_per_s"]
+    return results
+
+
+def sweep(engines: dict[str, Engine], requests: list[BenchRequest], *, axis: str,
+          values: Sequence[float], progress: bool = False, **online: Any) -> dict[str, Any]:
+    """Online runs of both policies at each rate (`axis="rate"`) or concurrency."""
+    if axis not in ("rate", "concurrency"):
+        raise ValueError(f"axis must be rate or concurrency, got {axis!r}")
+    points = {policy: [] for policy in POLICIES}
+    for value in values:
+        for policy in POLICIES:
+            r = run_online(engines[policy], requests, progress=progress,
+                           **(online | {axis: value}))
+            points[policy].append(r)
+    return {"axis": axis, "values": list(values), **points}
+
+
+def find_max_rate(engine: Engine, requests: list[BenchRequest], *, slos: latency.Slos,
+                  start: float = 1.0, max_probes: int = 6, seed: int = 0,
+                  burstiness: float = 1.0, progress: bool = False) -> dict[str, Any]:
+    """The highest Poisson rate (requests/s) at which p99 TTFT and p99 TPOT stay within `slos`.
+
+    Doubles (or halves) from `start` until the first pass/fail pair brackets the answer, then
+    bisects; `max_probes` online runs in all. Every probe is reported."""
+    probes: list[dict[str, Any]] = []
+
+    def probe(rate: float) -> bool:
+        r = run_online(engine, requests, rate=rate, burstiness=burstiness, slos=slos, seed=seed,
+                       progress=progress)
+        ttft, tpot = r["ttft_s"]["p99"], r["tpot_s"]["p99"]
+        passed = (r["failed"] == 0 and _within(ttft, slos.ttft) and _within(tpot, slos.tpot))
+        probes.append({"rate": rate, "p99_ttft_s": ttft, "p99_tpot_s": tpot,
+                       "output_tokens_per_s": r["output_tokens_per_s"],
+                       "goodput_requests_per_s": r["goodput"]["requests_per_s"],
+                       "passed": passed})
+        return passed
+
+    passing, failing = None, None
+    rate = start
+    while len(probes) < max_probes and (passing is None or failing is None):
+        if probe(rate):
+            passing, rate = rate, rate * 2
+        else:
+            failing, rate = rate, rate / 2
+    while len(probes) < max_probes and passing is not None and failing is not None:
+        middle = (passing + failing) / 2
+        if probe(middle):
+            passing = middle
+        else:
+            failing = middle
+    return {"slos": slos.as_dict(), "max_rate": passing, "lowest_failing_rate": failing,
+            "probes": probes}
+
+
+def _within(value: float | None, limit: float | None) -> bool:
+    return limit is None or (value is not None and value <= limit)
+
+
+ROOFLINE_BATCHES = (1, 8, 32, 64)
+ROOFLINE_CONTEXT = 128
+
+
+def run_roofline(model, config: EngineConfig, *, batches: Sequence[int] = ROOFLINE_BATCHES,
+                 context: int = ROOFLINE_CONTEXT, layout=None, repeats: int = 10,
+                 memory_fraction: float = 0.25) -> dict[str, Any]:
+    """This machine's bandwidth and matmul rate, then each decode batch's step time against its
+    floor (ratio = floor / step). A batch whose KV pages would take more than `memory_fraction`
+    of the host's memory is skipped. One runner holds the largest batch, so each batch compiles
+    one program."""
+    model_config = model.config
+    context = min(context, model_config.max_position_embeddings - 1)
+    page_size = config.page_size
+    pages_each = -(-(context + 1) // page_size)
+    page_bytes = page_size * kv_bytes_per_token(model_config)
+    budget = memory_fraction * _host_memory_bytes()
+    fits = [b for b in batches if (1 + b * pages_each) * page_bytes <= budget]
+    skipped = [b for b in batches if b not in fits]
+    machine = roofline.measure_machine()
+    rows: list[dict[str, Any]] = []
+    if fits:
+        runner = decode_runner(model, max_batch=max(fits), context=context, page_size=page_size,
+                               layout=layout)
+        for batch in fits:
+            step = roofline.measure_decode_step(runner, batch=batch, context=context,
+                                                repeats=repeats)
+            floor = roofline.decode_floor(model_config, machine, batch=batch, context=context)
+            rows.append({"batch": batch, "step_s": step, "floor_s": floor, "ratio": floor / step,
+                         "output_tokens_per_s": batch / step})
+    return {"bandwidth_bytes_per_s": machine.bandwidth,
+            "matmul_flops_per_s": machine.matmul_rate, "context": context, "rows": rows,
+            "skipped_batches": skipped}
+
+
+def decode_runner(model, *, max_batch: int, context: int, page_size: int,
+                  layout=None) -> ModelRunner:
+    """A runner sharing `model` whose pages and rows hold `max_batch` decodes of `context`."""
+    replicas = layout.num_replicas if layout is not None else 1
+    pages_each = -(-(context + 1) // page_size)
+    rows_per_replica = -(-max_batch // replicas)
+    return ModelRunner(model, RunnerConfig(
+        max_rows=rows_per_replica, num_pages=1 + rows_per_replica * pages_each,
+        page_size=page_size, max_pages_per_seq=pages_each, max_tokens=1), layout)
+
+
+def _host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def run_peers(names: Sequence[str], model_name_or_path: str, requests: list[BenchRequest], *,
+              max_batch_size: int, continuous: dict[str, Any] | None = None,
+              log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Each peer on the same requests through `meshserve.serving.peers.run_peer`; one that is
+    unavailable is recorded as `{"skipped": message}`, never an error. With `continuous` (its
+    results), the ratios continuous / peer are added."""
+    try:
+        from meshserve.serving import peers
+    except ImportError as err:
+        return {name: {"skipped": f"meshserve.serving.peers is not available ({err})"}
+                for name in names}
+    results = {}
+    for name in names:
+        try:
+            result = dict(peers.run_peer(name, model_name_or_path, requests,
+                                         max_batch_size=max_batch_size))
+        except peers.PeerUnavailable as err:
+            log(f"peer {name} skipped: {err}")
+            results[name] = {"skipped": str(err)}
+            continue
+        if continuous is not None and result.get("output_tokens_per_s"):
+            result["ratio_continuous_output_tokens_per_s"] = (
+                continuous["output_tokens_per_s"] / result["output_tokens_per_s"])
+        results[name] = result
     return results
 
 
@@ -149,8 +420,6 @@ def environment() -> dict[str, Any]:
 
 
 def _cpu_count() -> int:
-    import os
-
     return len(os.sched_getaffinity(0))
 
 

@@ -6,7 +6,8 @@ Subcommands:
              skips the ids already in the output
   demo       `batch` on the shipped example prompts
   roofline   measure this machine's bandwidth and matmul rate, and decode steps against the floor
-  bench      seeded offline workload through the continuous engine and the static baseline
+  bench      continuous vs static batching on a seeded workload or a JSONL file, offline or
+             online, with the roofline, sweeps, the highest rate meeting SLOs, peers and plots
   serve      the gRPC server: streaming Generate, Abort, GetServerInfo, health, reflection,
              admission control, drain on SIGTERM, Prometheus metrics (`--metrics-port`)
   convert    write a model (any `--model` form) as a meshserve checkpoint directory: orbax
@@ -102,24 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     roof.add_argument("--batch", type=int, action="append",
                       help="decode batch size; repeat for several (default: 1)")
     roof.add_argument("--context", type=int, default=128, help="tokens already in context")
-    bench = commands.add_parser("bench", help="continuous vs static batching, side by side")
-    bench.add_argument("--workload", default="chat-mix", help="chat-mix, long or fixed-IxO")
-    bench.add_argument("--num-requests", type=int, default=64)
-    bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--output", type=Path, help="write the results JSON here")
-    bench.add_argument("--mode", default="offline", choices=("offline", "online"),
-                       help="offline: all at t=0 into the engine; online: through the gRPC server")
-    bench.add_argument("--rate", type=float, default=None,
-                       help="online: requests/s (default: all at once)")
-    bench.add_argument("--burstiness", type=float, default=1.0,
-                       help="online: gamma shape of the gaps; 1 is Poisson, < 1 burstier")
-    bench.add_argument("--concurrency", type=int, default=None, help="online: max in flight")
-    bench.add_argument("--slo-scale", type=float, default=None,
-                       help="online: goodput against MLPerf Llama-2-70B Server SLOs (TTFT 2 s, "
-                            "TPOT 200 ms) times this factor")
+    _bench_args(commands.add_parser("bench", help="continuous vs static batching, side by side"))
     serve = commands.add_parser("serve", help="the gRPC server (meshserve.v1.Generation)")
     add_dataclass_args(serve, ServerConfig)
-    for sub in (generate, batch, demo, roof, bench, serve):
+    for sub in (generate, batch, demo, roof, serve):
         _model_args(sub)
     convert = commands.add_parser("convert", help="write a model as a meshserve checkpoint")
     convert.add_argument("--model", default=DEFAULT_MODEL,
@@ -129,6 +116,61 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--force", action="store_true", help="replace --out if it is not empty")
     _client_args(commands.add_parser("client", help="prompts to a running `meshserve serve`"))
     return parser
+
+
+def _bench_args(bench: argparse.ArgumentParser) -> None:
+    bench.add_argument("--workload", default="chat-mix",
+                       help="chat-mix, long, fixed-IxO (fixed-128x64) or jsonl:PATH")
+    bench.add_argument("--prompts", type=Path, default=None,
+                       help="a JSONL file of prompts (same as --workload jsonl:PATH)")
+    bench.add_argument("--max-tokens", type=int, default=64,
+                       help="output length of JSONL lines without max_tokens")
+    bench.add_argument("--num-requests", type=int, default=None,
+                       help="requests of a generated workload (default: 64; --quick: 16)")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--output", type=Path, help="write the results JSON (and plots) here")
+    bench.add_argument("--plots-dir", type=Path, default=None,
+                       help="where the PNG plots go (default: next to --output)")
+    bench.add_argument("--mode", default="offline", choices=("offline", "online"),
+                       help="offline: all at t=0 into the engine; online: through the gRPC server")
+    bench.add_argument("--rate", type=float, default=None,
+                       help="online: requests/s (default: all at once)")
+    bench.add_argument("--burstiness", type=float, default=1.0,
+                       help="online: gamma shape of the gaps; 1 is Poisson, < 1 burstier")
+    bench.add_argument("--concurrency", type=int, default=None, help="online: max in flight")
+    bench.add_argument("--rates", type=_float_list, default=None,
+                       help="online: sweep these request rates, e.g. 1,2,4")
+    bench.add_argument("--concurrencies", type=_int_list, default=None,
+                       help="online: sweep these concurrency caps, e.g. 1,4,16")
+    bench.add_argument("--slo-scale", type=float, default=None,
+                       help="online: goodput against MLPerf Llama-2-70B Server SLOs (TTFT 2 s, "
+                            "TPOT 200 ms) times this factor")
+    bench.add_argument("--find-max-rate", action="store_true",
+                       help="online: search the highest Poisson rate meeting the p99 SLOs "
+                            "(needs --slo-scale)")
+    bench.add_argument("--max-rate-probes", type=int, default=6,
+                       help="online runs per policy for --find-max-rate")
+    bench.add_argument("--roofline", action=argparse.BooleanOptionalAction, default=True,
+                       help="measure the machine and decode steps against the floor first")
+    bench.add_argument("--roofline-batch", type=int, action="append", default=None,
+                       help="decode batch for the roofline; repeat (default: 1, 8, 32, 64; "
+                            "--quick: 1, 8)")
+    bench.add_argument("--compare", action="append", default=None,
+                       choices=("static", "hf", "llama-cpp"),
+                       help="static (always run) and peers: hf, llama-cpp; repeat for several")
+    bench.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                       help="a progress bar (only on a terminal)")
+    bench.add_argument("--quick", action="store_true",
+                       help="a smoke run: 16 short chat-mix requests, roofline at 1 and 8")
+    _model_args(bench)
+
+
+def _float_list(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def _client_args(client: argparse.ArgumentParser) -> None:
@@ -214,37 +256,157 @@ def run_convert(args: argparse.Namespace) -> None:
           f"{tokenizer}) to {path}")
 
 
-def run_bench(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
-    from meshserve.serving import bench
+QUICK_MAX_PROMPT, QUICK_MAX_OUTPUT, QUICK_MAX_MODEL_LEN = 128, 32, 256
 
+
+def run_bench(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
+    from meshserve.serving import bench, plots
+
+    _check_bench_args(args)
+    if args.quick and args.max_model_len is None:
+        args.max_model_len = QUICK_MAX_MODEL_LEN
     llm = _load(args, needs_tokenizer=False, warmup=False)
-    requests = bench.make_workload(args.workload, num_requests=args.num_requests,
-                                   vocab_size=llm.model_config.vocab_size, seed=args.seed)
+    requests = _bench_requests(args, llm, bench)
+    progress = args.progress and sys.stderr.isatty()
+    payload: dict[str, Any] = {}
+    if args.roofline:
+        batches = args.roofline_batch or ((1, 8) if args.quick else bench.ROOFLINE_BATCHES)
+        payload["roofline"] = bench.run_roofline(llm.engine.model, llm.engine.config,
+                                                 batches=batches,
+                                                 layout=llm.engine.runner.layout)
+    slos = None if args.slo_scale is None else latency.mlperf_server_slos(args.slo_scale)
     online = {}
     if args.mode == "online":
-        slos = None if args.slo_scale is None else latency.mlperf_server_slos(args.slo_scale)
         online = dict(rate=args.rate, burstiness=args.burstiness, concurrency=args.concurrency,
                       slos=slos, seed=args.seed)
-    results = bench.compare_policies(llm.engine.model, llm.engine.config, requests,
-                                     mode=args.mode, **online)
-    print(f"{'policy':<11} {'out tok/s':>10} {'req/s':>7} {'prefill pad':>11} {'decode pad':>10} "
-          f"{'preempt':>7} {'recompiles':>10}")
-    for policy in ("continuous", "static"):
-        r = results[policy]
-        print(f"{policy:<11} {r['output_tokens_per_s']:>10.1f} {r['requests_per_s']:>7.2f} "
-              f"{r['prefill_padding']:>11.1%} {r['decode_padding']:>10.1%} "
-              f"{r['preemptions']:>7} {r['compiles_after_warmup']:>10}")
-    if args.mode == "online":
-        _print_latencies(results)
-    print(f"continuous / static output tokens/s: {results['ratio_output_tokens_per_s']:.2f}x")
+    engines = bench.make_engines(llm.engine.model, llm.engine.config)
+    axis, values = (("rate", args.rates) if args.rates else
+                    ("concurrency", args.concurrencies) if args.concurrencies else (None, None))
+    if axis is None:
+        results = bench.compare_policies(llm.engine.model, llm.engine.config, requests,
+                                         mode=args.mode, engines=engines, progress=progress,
+                                         **online)
+    else:
+        swept = bench.sweep(engines, requests, axis=axis, values=values, progress=progress,
+                            **online)
+        results = {p: swept[p][-1] for p in bench.POLICIES} | {"sweep": swept}
+        results["ratio_output_tokens_per_s"] = (results["continuous"]["output_tokens_per_s"]
+                                                / results["static"]["output_tokens_per_s"])
+    if args.find_max_rate:
+        results["max_rate"] = {p: bench.find_max_rate(
+            engines[p], requests, slos=slos, start=args.rate or 1.0,
+            max_probes=args.max_rate_probes, seed=args.seed, burstiness=args.burstiness,
+            progress=progress) for p in bench.POLICIES}
+    peers = [name for name in dict.fromkeys(args.compare or []) if name != "static"]
+    if peers:
+        results["peers"] = bench.run_peers(peers, args.model, requests,
+                                           max_batch_size=llm.engine.config.max_num_seqs,
+                                           continuous=results["continuous"])
+    _print_bench(results, payload.get("roofline"), online=args.mode == "online")
+    if args.output or args.plots_dir:
+        directory = args.plots_dir or args.output.parent
+        stem = args.output.stem if args.output else "bench"
+        payload["plots"] = plots.write_plots(results, directory, stem) | {
+            "directory": str(directory)}
     if args.output:
         command = "meshserve " + " ".join(argv if argv is not None else sys.argv[1:])
         bench.write_results(args.output, {
-            "command": command, "model": llm.model_config.name, "workload": args.workload,
-            "num_requests": args.num_requests, "seed": args.seed, "mode": args.mode,
+            "schema_version": 1, "command": command, "model": llm.model_config.name,
+            "workload": args.workload, "num_requests": len(requests), "seed": args.seed,
+            "mode": args.mode, "quick": args.quick,
             "arrivals": {k: v for k, v in online.items() if k != "slos"} or None,
             "engine_config": dataclasses.asdict(llm.engine.config),
-            "environment": bench.environment(), "results": results})
+            "environment": bench.environment(), "results": results} | payload)
+
+
+def _check_bench_args(args: argparse.Namespace) -> None:
+    online_only = [flag for flag, given in (("--rates", args.rates),
+                                            ("--concurrencies", args.concurrencies),
+                                            ("--find-max-rate", args.find_max_rate)) if given]
+    if online_only and args.mode != "online":
+        raise ValueError(f"{', '.join(online_only)} need --mode online")
+    if args.rates and args.concurrencies:
+        raise ValueError("give --rates or --concurrencies, not both")
+    if args.find_max_rate and args.slo_scale is None:
+        raise ValueError("--find-max-rate needs --slo-scale (the SLOs it must meet)")
+    if args.max_rate_probes < 1:
+        raise ValueError(f"--max-rate-probes must be >= 1, got {args.max_rate_probes}")
+    if args.prompts is not None:
+        if args.workload not in ("chat-mix", f"jsonl:{args.prompts}"):
+            raise ValueError("give --prompts or --workload, not both")
+        args.workload = f"jsonl:{args.prompts}"
+
+
+def _bench_requests(args: argparse.Namespace, llm: LLM, bench) -> list:
+    if args.workload.startswith("jsonl:"):
+        if args.num_requests is not None:
+            raise ValueError("--num-requests applies to generated workloads; a JSONL file runs "
+                             "every line")
+        return bench.load_jsonl_workload(args.workload.removeprefix("jsonl:"),
+                                         tokenizer=llm.tokenizer,
+                                         vocab_size=llm.model_config.vocab_size,
+                                         default_max_tokens=args.max_tokens)
+    num_requests = args.num_requests or (16 if args.quick else 64)
+    requests = bench.make_workload(args.workload, num_requests=num_requests,
+                                   vocab_size=llm.model_config.vocab_size, seed=args.seed)
+    if args.quick:  # short, and within max_model_len
+        max_len = llm.engine.config.max_model_len
+        output = min(QUICK_MAX_OUTPUT, max_len // 4)
+        prompt = min(QUICK_MAX_PROMPT, max_len - output)
+        requests = [dataclasses.replace(r, prompt_token_ids=r.prompt_token_ids[:prompt],
+                                        num_output_tokens=min(r.num_output_tokens, output))
+                    for r in requests]
+    return requests
+
+
+def _print_bench(results: dict, roof: dict | None, *, online: bool) -> None:
+    print(f"{'policy':<11} {'out tok/s':>10} {'req/s':>7} {'prefill pad':>11} {'decode pad':>10} "
+          f"{'host':>6} {'kv peak':>7} {'frag mean':>9} {'frag peak':>9} {'preempt':>7} "
+          f"{'recompiles':>10}")
+    for policy in ("continuous", "static"):
+        r = results[policy]
+        kv = r["kv"]
+        print(f"{policy:<11} {r['output_tokens_per_s']:>10.1f} {r['requests_per_s']:>7.2f} "
+              f"{r['prefill_padding']:>11.1%} {r['decode_padding']:>10.1%} "
+              f"{r['host_overhead']:>6.1%} {kv['peak_used_pages']:>7} "
+              f"{kv['mean_fragmentation']:>9.1%} {kv['peak_fragmentation']:>9.1%} "
+              f"{r['preemptions']:>7} {r['compiles_after_warmup']:>10}")
+    if roof is not None:
+        print(f"roofline: bandwidth {roof['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, matmul "
+              f"{roof['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s, context {roof['context']}")
+        print(f"{'batch':>5} {'step ms':>9} {'floor ms':>9} {'floor/step':>10}")
+        for row in roof["rows"]:
+            print(f"{row['batch']:>5} {row['step_s'] * 1e3:>9.2f} {row['floor_s'] * 1e3:>9.2f} "
+                  f"{row['ratio']:>10.2f}")
+        if roof["skipped_batches"]:
+            print(f"roofline batches skipped (KV too large): {roof['skipped_batches']}")
+    if online:
+        _print_latencies(results)
+    if "sweep" in results:
+        sweep = results["sweep"]
+        print(f"{sweep['axis']:>11} {'cont tok/s':>10} {'static tok/s':>12}")
+        for i, value in enumerate(sweep["values"]):
+            print(f"{value:>11g} {sweep['continuous'][i]['output_tokens_per_s']:>10.1f} "
+                  f"{sweep['static'][i]['output_tokens_per_s']:>12.1f}")
+    for policy, found in results.get("max_rate", {}).items():
+        for p in found["probes"]:
+            print(f"{policy:<11} rate {p['rate']:>7.3f} req/s  p99 ttft "
+                  f"{_ms(p['p99_ttft_s'])} ms  p99 tpot {_ms(p['p99_tpot_s'])} ms  "
+                  f"{'pass' if p['passed'] else 'fail'}")
+        rate = found["max_rate"]
+        print(f"{policy:<11} max rate under {found['slos']['name']}: "
+              f"{'none found' if rate is None else f'{rate:.3f} req/s'}")
+    for name, peer in results.get("peers", {}).items():
+        if "skipped" in peer:
+            print(f"{name}: skipped ({peer['skipped']})")
+        else:
+            print(f"{name}: {peer['output_tokens_per_s']:.1f} out tok/s; continuous / {name} "
+                  f"{peer.get('ratio_continuous_output_tokens_per_s', float('nan')):.2f}x")
+    print(f"continuous / static output tokens/s: {results['ratio_output_tokens_per_s']:.2f}x")
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
 def _print_latencies(results: dict) -> None:
@@ -412,13 +574,18 @@ def demo_prompts() -> Path:
 # -- roofline ----------------------------------------------------------------------------------
 
 def run_roofline(args: argparse.Namespace) -> None:
+    from meshserve.serving.bench import decode_runner
+
     llm = _load(args, needs_tokenizer=False, warmup=False)
-    runner, config = llm.engine.runner, llm.model_config
+    config, batches = llm.model_config, args.batch or [1]
+    runner = decode_runner(llm.engine.model, max_batch=max(batches), context=args.context,
+                           page_size=llm.engine.config.page_size,
+                           layout=llm.engine.runner.layout)
     machine = roofline.measure_machine()
     print(f"bandwidth {machine.bandwidth / 1e9:.1f} GB/s, matmul {machine.matmul_rate / 1e9:.1f} "
           f"GFLOP/s, weights {weight_bytes(config) / 1e6:.0f} MB")
     print(f"{'batch':>5} {'step ms':>9} {'floor ms':>9} {'floor/step':>10}")
-    for batch in args.batch or [1]:
+    for batch in batches:
         step = roofline.measure_decode_step(runner, batch=batch, context=args.context)
         floor = roofline.decode_floor(config, machine, batch=batch, context=args.context)
         print(f"{batch:>5} {step * 1e3:>9.2f} {floor * 1e3:>9.2f} {floor / step:>10.2f}")
