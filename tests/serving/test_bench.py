@@ -4,11 +4,14 @@ import json
 
 import pytest
 
+from meshserve.batching.scheduler import KVUsage
+from meshserve.serving import bench, latency
 from meshserve.serving.cli import main
 
 SMALL = ["--model", "tiny-llama", "--num-pages", "64", "--max-num-seqs", "4",
          "--max-num-batched-tokens", "64", "--prefill-chunk", "16", "--max-model-len", "64",
          "--no-compilation-cache"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("mode", ["offline", "online"])
@@ -16,7 +19,7 @@ def test_bench_compares_both_policies_and_writes_the_results(mode, tmp_path, cap
     out = tmp_path / "results.json"
     extra = ["--rate", "50", "--slo-scale", "1"] if mode == "online" else []
     assert main(["bench", "--mode", mode, "--workload", "fixed-12x6", "--num-requests", "10",
-                 "--output", str(out), *SMALL, *extra]) == 0
+                 "--output", str(out), "--no-roofline", *SMALL, *extra]) == 0
     results = json.loads(out.read_text())
     assert results["mode"] == mode and results["environment"]["jax"]
     for policy in ("continuous", "static"):
@@ -32,3 +35,158 @@ def test_bench_compares_both_policies_and_writes_the_results(mode, tmp_path, cap
     printed = capsys.readouterr().out
     assert "continuous / static output tokens/s" in printed
     assert ("ttft" in printed) == (mode == "online")
+
+
+def test_quick_run_writes_the_full_schema_plots_and_roofline(tmp_path, capsys):
+    out = tmp_path / "quick.json"
+    assert main(["bench", "--quick", "--output", str(out), "--compare", "hf", "--no-progress",
+                 *SMALL]) == 0
+    results = json.loads(out.read_text())
+    assert results["schema_version"] == 1 and results["quick"] is True
+    assert results["command"].startswith("meshserve bench --quick")
+    for key, kind in (("model", str), ("workload", str), ("num_requests", int),
+                      ("engine_config", dict), ("environment", dict), ("results", dict),
+                      ("roofline", dict), ("plots", dict)):
+        assert isinstance(results[key], kind), key
+    assert results["num_requests"] == 16
+    assert {"git_commit", "machine", "jax", "devices"} <= set(results["environment"])
+    for policy in ("continuous", "static"):
+        r = results["results"][policy]
+        assert r["recompiles"] == r["compiles_after_warmup"] == 0
+        for key in ("prefill_padding", "decode_padding", "host_overhead", "step_seconds",
+                    "host_seconds", "wall_s", "output_tokens_per_s"):
+            assert isinstance(r[key], float), key
+        assert 0 <= r["host_overhead"] < 1
+        kv = r["kv"]
+        assert kv["num_samples"] == r["num_steps"] > 0
+        assert 0 < kv["peak_used_pages"] <= kv["total_pages"]
+        assert 0 <= kv["mean_fragmentation"] <= kv["peak_fragmentation"] < 1
+        assert r["ttft_s"]["count"] == r["e2el_s"]["count"] == 16
+    roof = results["roofline"]
+    assert roof["bandwidth_bytes_per_s"] > 0 and roof["matmul_flops_per_s"] > 0
+    assert [row["batch"] for row in roof["rows"]] == [1, 8]
+    for row in roof["rows"]:
+        assert row["step_s"] > 0 and row["floor_s"] > 0
+        assert row["ratio"] == pytest.approx(row["floor_s"] / row["step_s"])
+    assert "skipped" in results["results"]["peers"]["hf"]
+    plots = results["plots"]
+    assert sorted(plots["files"]) == ["quick-latency_cdf.png", "quick-padding.png",
+                                      "quick-step_time.png", "quick-throughput.png"]
+    for name in plots["files"]:
+        assert (tmp_path / name).read_bytes().startswith(PNG_MAGIC)
+    printed = capsys.readouterr().out
+    assert "floor/step" in printed and "frag mean" in printed and "hf: skipped" in printed
+
+
+def test_jsonl_workload_reads_token_ids_and_default_lengths(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt_token_ids": [1, 2, 3], "max_tokens": 5}\n\n'
+                    '{"prompt_token_ids": [4], "id": "b"}\n')
+    requests = bench.load_jsonl_workload(path, vocab_size=512, default_max_tokens=7)
+    assert requests == [bench.BenchRequest([1, 2, 3], 5), bench.BenchRequest([4], 7)]
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", "not valid JSON"),
+    ('{"prompt_token_ids": []}', "non-empty list"),
+    ('{"prompt_token_ids": [1], "max_tokens": 0}', "max_tokens"),
+    ('{"prompt_token_ids": [9999]}', "outside the vocabulary"),
+    ('{"prompt": "hi", "prompt_token_ids": [1]}', "exactly one"),
+    ('{"prompt": "hello"}', "tokenizer"),
+    ('{"prompt_token_ids": [1], "temperature": 1}', "unknown fields"),
+])
+def test_jsonl_workload_names_the_bad_line(tmp_path, line, message):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt_token_ids": [1, 2]}\n' + line + "\n")
+    with pytest.raises(ValueError, match=rf"prompts.jsonl:2: .*{message}"):
+        bench.load_jsonl_workload(path, vocab_size=512)
+
+
+def test_bench_runs_a_jsonl_file_and_reports_a_bad_line(tmp_path, capsys):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt_token_ids": list(range(1, 2 + i)),
+                                        "max_tokens": 3 + i}) + "\n" for i in range(5)))
+    out = tmp_path / "r.json"
+    assert main(["bench", "--prompts", str(path), "--no-roofline", "--output", str(out),
+                 *SMALL]) == 0
+    results = json.loads(out.read_text())
+    assert results["workload"] == f"jsonl:{path}" and results["num_requests"] == 5
+    assert results["results"]["continuous"]["output_tokens"] == sum(range(3, 8))
+    path.write_text('{"prompt_token_ids": [1]}\n{"prompt": "text"}\n')
+    assert main(["bench", "--workload", f"jsonl:{path}", "--no-roofline", *SMALL]) == 2
+    assert f"{path}:2: a text prompt needs the model's tokenizer" in capsys.readouterr().err
+
+
+def test_fragmentation_is_empty_over_allocated_slots_per_step():
+    samples = [
+        KVUsage(num_used_pages=0, num_peak_used_pages=0, num_total_pages=10,
+                num_filled_slots=0, num_allocated_slots=0),  # nothing allocated: no fraction
+        KVUsage(num_used_pages=2, num_peak_used_pages=2, num_total_pages=10,
+                num_filled_slots=24, num_allocated_slots=32),  # 8 of 32 empty
+        KVUsage(num_used_pages=4, num_peak_used_pages=4, num_total_pages=10,
+                num_filled_slots=48, num_allocated_slots=64),  # 16 of 64 empty
+        KVUsage(num_used_pages=1, num_peak_used_pages=4, num_total_pages=10,
+                num_filled_slots=4, num_allocated_slots=16),  # 12 of 16 empty
+    ]
+    kv = bench.kv_fragmentation(samples)
+    assert kv == {"num_samples": 4, "peak_used_pages": 4, "total_pages": 10,
+                  "peak_fragmentation": 0.75,
+                  "mean_fragmentation": pytest.approx((0.25 + 0.25 + 0.75) / 3)}
+    assert bench.kv_fragmentation([])["peak_fragmentation"] == 0.0
+
+
+def test_find_max_rate_brackets_then_bisects(monkeypatch):
+    slos = latency.mlperf_server_slos(1.0)  # TTFT 2 s, TPOT 200 ms
+
+    def fake_online(engine, requests, *, rate, **_):  # meets the SLOs up to 5 req/s
+        p99 = {"p99": 1.0 if rate <= 5 else 3.0}
+        return {"ttft_s": p99, "tpot_s": {"p99": 0.1}, "failed": 0,
+                "output_tokens_per_s": 10.0 * rate, "goodput": {"requests_per_s": rate}}
+
+    monkeypatch.setattr(bench, "run_online", fake_online)
+    found = bench.find_max_rate(None, [], slos=slos, start=1.0, max_probes=6)
+    assert [p["rate"] for p in found["probes"]] == [1, 2, 4, 8, 6, 5]
+    assert [p["passed"] for p in found["probes"]] == [True, True, True, False, False, True]
+    assert found["max_rate"] == 5 and found["lowest_failing_rate"] == 6
+    high = bench.find_max_rate(None, [], slos=slos, start=16.0, max_probes=3)
+    assert [p["rate"] for p in high["probes"]] == [16, 8, 4]
+    assert high["max_rate"] == 4 and high["lowest_failing_rate"] == 8
+
+
+def test_bench_finds_the_max_rate_on_the_tiny_model(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(["bench", "--mode", "online", "--workload", "fixed-8x4", "--num-requests", "4",
+                 "--find-max-rate", "--max-rate-probes", "2", "--rate", "20",
+                 "--slo-scale", "1", "--no-roofline", "--output", str(out), *SMALL]) == 0
+    results = json.loads(out.read_text())["results"]
+    for policy in ("continuous", "static"):
+        found = results["max_rate"][policy]
+        assert len(found["probes"]) == 2 and found["slos"]["ttft_s"] == 2.0
+        for probe in found["probes"]:
+            assert {"rate", "p99_ttft_s", "p99_tpot_s", "passed"} <= set(probe)
+        passing = [p["rate"] for p in found["probes"] if p["passed"]]
+        assert found["max_rate"] == (max(passing) if passing else None)
+    assert "max rate under mlperf-llama2-70b-server x1" in capsys.readouterr().out
+
+
+def test_bench_needs_online_mode_and_slos_for_find_max_rate(capsys):
+    assert main(["bench", "--find-max-rate", *SMALL]) == 2
+    assert "need --mode online" in capsys.readouterr().err
+    assert main(["bench", "--mode", "online", "--find-max-rate", *SMALL]) == 2
+    assert "needs --slo-scale" in capsys.readouterr().err
+
+
+def test_hf_peer_without_torch_is_skipped_with_a_message(tmp_path, capsys):
+    pytest.importorskip("meshserve.serving.peers")
+    try:
+        import torch  # noqa: F401
+        pytest.skip("torch is installed")
+    except ImportError:
+        pass
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    requests = [bench.BenchRequest([1, 2, 3], 4)]
+    peers = bench.run_peers(["hf"], str(gguf), requests, max_batch_size=4,
+                            continuous={"output_tokens_per_s": 1.0})
+    assert set(peers["hf"]) == {"skipped"} and "torch" in peers["hf"]["skipped"]
+    assert "peer hf skipped" in capsys.readouterr().out
