@@ -65,10 +65,31 @@ class Dense(nnx.Module):
                           init=constant_init(0.0), stack=stack) if bias_dims else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum(self.spec, x, self.kernel[...])
+        y = _flat_matmul(self.spec, x, self.kernel[...])
         if self.bias is not None:
             y = y + self.bias[...]
         return y
+
+
+def _flat_matmul(spec: str, x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """`jnp.einsum(spec, x, kernel)`, with several contracted axes merged into one.
+
+    Given "nqh,qhd->nd", XLA:CPU transposes the weight into a layout it prefers and copies it
+    every step; flattening (q, h) on both sides (a free reshape of row-major arrays) hands it a
+    plain matmul instead. Only the contracted axes merge: the leading one may be split over the
+    mesh, which survives the merge, while merging output axes could move a split axis inward.
+    """
+    inputs, out = spec.split("->")
+    lhs, rhs = inputs.split(",")
+    contracted = "".join(axis for axis in lhs if axis in rhs)
+    n = len(contracted)
+    if n < 2 or not lhs.endswith(contracted) or not rhs.startswith(contracted):
+        return jnp.einsum(spec, x, kernel)
+    with jax.named_scope(spec):  # the HLO still names the projection by its einsum
+        x = x.reshape(*x.shape[:x.ndim - n], math.prod(x.shape[x.ndim - n:]))
+        kernel = kernel.reshape(math.prod(kernel.shape[:n]), *kernel.shape[n:])
+        m = next(a for a in "abcdefghijklmnopqrstuvwxyz" if a not in spec)  # the merged axis
+        return jnp.einsum(f"{lhs[:len(lhs) - n]}{m},{m}{rhs[n:]}->{out}", x, kernel)
 
 
 class RMSNorm(nnx.Module):

@@ -41,6 +41,7 @@ from meshserve.batching.plan import SamplingArrays, SubBatchPlan, empty_sub_batc
 from meshserve.model.attention import KVCache, SubBatch, init_kv_cache
 from meshserve.model.sampler import DeviceSampling, device_sampling
 from meshserve.model.steps import sample_step
+from meshserve.model.transformer import unstack_layers
 
 _COMPILE_EVENT_PREFIX = "/jax/core/compile/"
 _BACKEND_COMPILE_EVENT = _COMPILE_EVENT_PREFIX + "backend_compile_duration"
@@ -116,8 +117,10 @@ class ModelRunner:
         self.config = config
         self.layout = layout
         self.num_replicas = layout.num_replicas if layout is not None else 1
-        self.graphdef, params = nnx.split(model)
-        self.params = params if layout is None else jax.device_put(params, layout.params)
+        if layout is not None:  # place the stacked weights, then split them per layer
+            graphdef, params = nnx.split(model)
+            model = nnx.merge(graphdef, jax.device_put(params, layout.params))
+        self.graphdef, self.params = nnx.split(unstack_layers(model))
         c = model.config
         init = functools.partial(
             init_kv_cache, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
@@ -129,7 +132,7 @@ class ModelRunner:
             sample_step, self.graphdef, num_top_logprobs=config.max_logprobs,
             constrain=None if layout is None else layout.constrain,
             replica_axes=() if layout is None else layout.replica_axes)
-        self._step = compile_step(step, layout)
+        self._step = compile_step(step, layout, jax.tree.map(lambda a: a.sharding, self.params))
 
     def padded_shape(self, plan: SubBatchPlan) -> tuple[int, int, int]:
         """The bucket `(rows per replica, tokens, pages)` that `plan` runs at."""
@@ -247,8 +250,11 @@ def _unpad(out, plan: SubBatchPlan, index: np.ndarray) -> SampledRows:
         prompt_top_logprobs=prompt(out.prompt_top_logprobs))
 
 
-def compile_step(step: Callable, layout: DeviceLayout | None) -> Callable:
-    """The jitted step; with a layout, mapped over the replica axes and sharded in and out."""
+def compile_step(step: Callable, layout: DeviceLayout | None,
+                 param_shardings=None) -> Callable:
+    """The jitted step; with a layout, mapped over the replica axes and sharded in and out.
+
+    `param_shardings` (default: `layout.params`) places the weights the step is called with."""
     if layout is None:
         return jax.jit(step, donate_argnums=(1,))
     if layout.replica_axes:
@@ -256,7 +262,8 @@ def compile_step(step: Callable, layout: DeviceLayout | None) -> Callable:
         step = jax.shard_map(step, mesh=layout.mesh, in_specs=(PartitionSpec(), cache, rows, rows),
                              out_specs=(rows, cache), axis_names=set(layout.replica_axes),
                              check_vma=False)
-    return jax.jit(step, in_shardings=(layout.params, layout.cache, layout.rows, layout.rows),
+    params = layout.params if param_shardings is None else param_shardings
+    return jax.jit(step, in_shardings=(params, layout.cache, layout.rows, layout.rows),
                    out_shardings=(layout.rows, layout.cache), donate_argnums=(1,))
 
 
