@@ -190,3 +190,16 @@ def test_hf_peer_without_torch_is_skipped_with_a_message(tmp_path, capsys):
                             continuous={"output_tokens_per_s": 1.0})
     assert set(peers["hf"]) == {"skipped"} and "torch" in peers["hf"]["skipped"]
     assert "peer hf skipped" in capsys.readouterr().out
+
+
+def test_bench_sweeps_concurrencies_for_the_throughput_plot(tmp_path):
+    out = tmp_path / "sweep.json"
+    assert main(["bench", "--mode", "online", "--workload", "fixed-8x4", "--num-requests", "4",
+                 "--concurrencies", "1,4", "--no-roofline", "--output", str(out), *SMALL]) == 0
+    results = json.loads(out.read_text())
+    sweep = results["results"]["sweep"]
+    assert sweep["axis"] == "concurrency" and sweep["values"] == [1, 4]
+    for policy in ("continuous", "static"):
+        assert [r["completed"] for r in sweep[policy]] == [4, 4]
+        assert results["results"][policy] == sweep[policy][-1]
+    assert "sweep-throughput.png" in results["plots"]["files"]
