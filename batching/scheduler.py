@@ -8,14 +8,15 @@ Continuous policy (the default; vLLM v1 style, no prefill or decode phase). Ever
 of `max_num_batched_tokens` new tokens, handed out in three passes:
   1. running requests that are decoding (one uncomputed token) get 1 token each, oldest first;
   2. running requests still mid-prompt get their next chunk:
-     min(prefill_chunk, budget left, tokens left);
+     min(prefill_chunk, budget left, tokens left), cut down to a token bucket (`floor_bucket`),
+     so a chunk runs unpadded; only a piece shorter than the smallest bucket pads;
   3. waiting requests are admitted in queue order (higher `priority` first, then first come,
      first served), while there is a free seat
      (`max_num_seqs`), budget, and free pages for their first chunk. The head of the queue always
      goes first, so it never starves. The others are taken from the next
      `admission_lookahead` (2 * max_num_seqs) requests: first those whose first chunk falls in the
-     head's token bucket (`pick_bucket` over `token_buckets`), then the rest, each group in queue
-     order. Admission stops at the first request whose chunk finds no free pages.
+     head's token bucket, then the rest, each group in queue order. Admission stops at the first
+     request whose chunk finds no free pages.
 
 Out of pages is a policy, never an error: a running request that needs a page and finds none
 preempts the newest running request on its replica not yet in this step (possibly itself, which
@@ -40,8 +41,9 @@ first chunk. A preempted request frees its pages and may be placed elsewhere nex
 picks its victim on the needy request's own replica, since only that frees the right pages. Static
 batching forms one batch per replica.
 
-Plan layout: all prefill rows in one sub-batch, all decode rows (running requests with one token
-left) in another, in that order, either absent when empty. A padding row has `num_new = 0`,
+Plan layout (continuous): one prefill sub-batch per token bucket, widest first, then one sub-batch of all
+decode rows (running requests with one token left); empty ones are left out. Rows of different
+widths never share a sub-batch, so a short chunk is not padded to a long one. A padding row has `num_new = 0`,
 `kv_lens = 0` and no pages; it carries the id of the request whose seat it holds and never samples.
 
 This module is plain Python and numpy; it must not import jax or anything from meshserve's model,
@@ -58,7 +60,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from meshserve.batching.buckets import bucket_sizes, pick_bucket
+from meshserve.batching.buckets import bucket_sizes, floor_bucket, pick_bucket, token_bucket_sizes
 from meshserve.batching.pages import PageAllocator, num_pages_for
 from meshserve.batching.plan import SamplingArrays, StepPlan, SubBatchPlan, sub_batch_from_rows
 from meshserve.batching.request import Request, RequestStatus
@@ -72,8 +74,8 @@ class SchedulerConfig:
     """Cache geometry and per-step limits.
 
     `max_model_len` caps one request's prompt + max_tokens. `token_buckets` are the padded prefill
-    lengths the runner compiles; by default powers of two from min(16, prefill_chunk) up to
-    `prefill_chunk`. `eos_token_ids` end a request unless it sets `ignore_eos`.
+    lengths the runner compiles; by default `token_bucket_sizes(prefill_chunk)`, powers of two
+    from 8 up to `prefill_chunk`. `eos_token_ids` end a request unless it sets `ignore_eos`.
 
     `bound_padded_prefill` keeps every prefill sub-batch, once padded to its row and token
     buckets, within `max_num_batched_tokens` (`fits_padded_budget`). The model runner compiles
@@ -134,7 +136,7 @@ class SchedulerConfig:
     def _normalise_buckets(self) -> None:
         buckets = self.token_buckets
         if buckets is None:
-            buckets = bucket_sizes(self.prefill_chunk, min_size=min(16, self.prefill_chunk))
+            buckets = token_bucket_sizes(self.prefill_chunk)
         buckets = tuple(buckets)
         is_increasing = all(_is_int(b) and b >= 1 for b in buckets) and all(
             a < b for a, b in zip(buckets, buckets[1:]))
@@ -187,6 +189,7 @@ class KVUsage:
 
 
 class Policy(Protocol):
+    splits_prefill_by_bucket: bool  # one prefill sub-batch per token bucket, or one in all
     def pick_rows(self, scheduler: Scheduler) -> list[Row]:
         """The rows of the next step; may admit, and (continuous only) preempt, requests."""
 
@@ -252,7 +255,9 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         return build_plan(self._policy.pick_rows(self), page_size=self.config.page_size,
                           eos_token_ids=self.config.eos_token_ids,
-                          num_replicas=self.config.num_replicas)
+                          num_replicas=self.config.num_replicas,
+                          token_buckets=(self.config.token_buckets
+                                         if self._policy.splits_prefill_by_bucket else None))
 
     def update(self, plan: StepPlan, tokens: Sequence[np.ndarray]) -> list[Request]:
         """Applies a step's sampled tokens (one [B] array per sub-batch).
@@ -386,11 +391,15 @@ def stop_status(request: Request, eos_token_ids: Sequence[int]
 # The step plan, built from the rows a policy picked.
 
 def build_plan(rows: Sequence[Row], *, page_size: int, eos_token_ids: Sequence[int] = (),
-               num_replicas: int = 1) -> StepPlan:
-    """One prefill sub-batch, then one decode sub-batch; an empty one is left out."""
+               num_replicas: int = 1, token_buckets: Sequence[int] | None = None) -> StepPlan:
+    """One prefill sub-batch per token bucket (all prefill rows in one without `token_buckets`),
+    widest first, then one decode sub-batch; an empty one is left out."""
     prefill = [row for row in rows if not row.is_decode]
+    by_bucket: dict[int, list[Row]] = collections.defaultdict(list)
+    for row in prefill:
+        by_bucket[0 if token_buckets is None else pick_bucket(row.num_new, token_buckets)].append(row)
     decode = [row for row in rows if row.is_decode]
-    groups = [group for group in (prefill, decode) if group]
+    groups = [by_bucket[b] for b in sorted(by_bucket, reverse=True)] + ([decode] if decode else [])
     return StepPlan(
         sub_batches=tuple(_sub_batch(group, page_size, num_replicas) for group in groups),
         sampling=tuple(sampling_arrays(group, eos_token_ids=eos_token_ids) for group in groups),
@@ -488,8 +497,8 @@ class _Draft:
     rows: list[Row] = dataclasses.field(default_factory=list)
     scheduled: set[str] = dataclasses.field(default_factory=set)
     num_preempted: int = 0
-    num_prefill_rows: int = 0
-    longest_prefill: int = 0
+    # Prefill rows per token bucket: each bucket is its own sub-batch (see `build_plan`).
+    prefill_rows: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
     def add(self, row: Row) -> None:
         assert 0 < row.num_new <= self.num_free_tokens, (row.num_new, self.num_free_tokens)
@@ -497,15 +506,20 @@ class _Draft:
         self.scheduled.add(row.request.request_id)
         self.num_free_tokens -= row.num_new
         if not row.is_decode:
-            self.num_prefill_rows += 1
-            self.longest_prefill = max(self.longest_prefill, row.num_new)
+            self.prefill_rows[row.num_new] += 1
 
     def is_scheduled(self, request: Request) -> bool:
         return request.request_id in self.scheduled
 
     def can_add_prefill(self, num_new: int, config: SchedulerConfig) -> bool:
-        return not config.bound_padded_prefill or fits_padded_budget(self.num_prefill_rows + 1, max(self.longest_prefill, num_new),
-                                  config)
+        """Whether a prefill row of `num_new` tokens keeps its bucket's sub-batch, padded,
+        within the budget."""
+        if not config.bound_padded_prefill:
+            return True
+        bucket = pick_bucket(num_new, config.token_buckets)
+        same = sum(n for width, n in self.prefill_rows.items()
+                   if pick_bucket(width, config.token_buckets) == bucket)
+        return fits_padded_budget(same + 1, num_new, config)
 
 
 def fits_padded_budget(num_rows: int, longest: int, config: SchedulerConfig) -> bool:
@@ -519,6 +533,8 @@ def fits_padded_budget(num_rows: int, longest: int, config: SchedulerConfig) -> 
 
 class ContinuousPolicy:
     """Continuous batching with chunked prefill; see the module docstring for the exact rules."""
+
+    splits_prefill_by_bucket = True
 
     def __init__(self, config: SchedulerConfig):
         self.config = config
@@ -605,16 +621,27 @@ class ContinuousPolicy:
         return [head] + same + others
 
     def _chunk_len(self, request: Request, draft: _Draft) -> int:
-        return min(request.num_uncomputed, self.config.prefill_chunk, draft.num_free_tokens)
+        return prefill_chunk_len(request.num_uncomputed, draft.num_free_tokens, self.config)
 
     def _bucket(self, request: Request) -> int:
         """The token bucket of the request's next chunk, with the whole budget free."""
-        chunk = min(request.num_uncomputed, self.config.prefill_chunk)
+        chunk = prefill_chunk_len(request.num_uncomputed, self.config.max_num_batched_tokens,
+                                  self.config)
         return pick_bucket(chunk, self.config.token_buckets)
 
 
+def prefill_chunk_len(num_uncomputed: int, num_free_tokens: int, config: SchedulerConfig) -> int:
+    """The next chunk of a prompt: as much as fits, cut down to a token bucket so that it runs
+    unpadded. Only a piece shorter than the smallest bucket is padded; a decode is 1 token."""
+    chunk = min(num_uncomputed, config.prefill_chunk, num_free_tokens)
+    return floor_bucket(chunk, config.token_buckets)
+
+
 class StaticPolicy:
-    """Static batching, the baseline; see the module docstring."""
+    """Static batching, the baseline; see the module docstring. Its lockstep prefill is one
+    sub-batch, every prompt padded to the longest."""
+
+    splits_prefill_by_bucket = False
 
     def __init__(self, config: SchedulerConfig):
         self.config = config

@@ -35,7 +35,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
-from meshserve.batching.buckets import bucket_sizes, pick_bucket
+from meshserve.batching.buckets import bucket_sizes, pick_bucket, token_bucket_sizes
 
 from meshserve.batching.plan import SamplingArrays, SubBatchPlan, empty_sub_batch, greedy_sampling
 from meshserve.model.attention import KVCache, SubBatch, init_kv_cache
@@ -73,7 +73,7 @@ class RunnerConfig:
 
     @property
     def token_buckets(self) -> tuple[int, ...]:
-        return bucket_sizes(self.max_tokens, min_size=min(16, self.max_tokens))
+        return token_bucket_sizes(self.max_tokens)
 
     @property
     def page_buckets(self) -> tuple[int, ...]:

@@ -107,9 +107,9 @@ def check_plan(plan: StepPlan, scheduler: Scheduler) -> None:
         assert sum(int(b.num_new[m].sum()) for b, m in zip(plan.sub_batches, mine)) <= (
             c.max_num_batched_tokens), "a replica's token budget is exceeded"
         assert sum(int(m.sum()) for m in mine) <= c.max_num_seqs
-    assert len(plan.sub_batches) <= 2
-    if len(plan.sub_batches) == 2:
-        assert plan.sub_batches[1].tokens.shape[1] == 1, "the decode sub-batch comes second"
+    widths = [batch.tokens.shape[1] for batch in plan.sub_batches]
+    assert widths == sorted(widths, reverse=True), "sub-batches go widest first, decode last"
+    assert len(plan.sub_batches) <= len(c.token_buckets) + 1, "one sub-batch per bucket at most"
     for batch, samples in zip(plan.sub_batches, plan.row_samples):
         assert batch.page_table.size == 0 or batch.page_table.max() < c.num_pages
         assert not np.any(samples & (batch.num_new == 0)), "a padding row samples"

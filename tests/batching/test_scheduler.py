@@ -65,7 +65,7 @@ def test_config_rejects_bad_values(overrides, message):
 
 def test_config_defaults_and_normalisation():
     c = SchedulerConfig(num_pages=8, page_size=16, max_model_len=1024)
-    assert c.token_buckets == (16, 32, 64, 128, 256) and c.policy == "continuous"
+    assert c.token_buckets == (8, 16, 32, 64, 128, 256) and c.policy == "continuous"
     assert _config(prefill_chunk=8).token_buckets == (8,)
     assert _config(token_buckets=[4, 16], eos_token_ids=[2]).token_buckets == (4, 16)
     assert _config(eos_token_ids=[2]).eos_token_ids == (2,)
@@ -222,8 +222,8 @@ def test_update_returns_the_requests_that_got_a_token_in_plan_order():
 
 def test_admission_groups_prompts_of_the_head_bucket():
     s = Scheduler(_config(max_num_seqs=2, prefill_chunk=64, max_num_batched_tokens=256))
-    assert s.config.token_buckets == (16, 32, 64)
-    for name, length in (("a", 50), ("b", 10), ("c", 60), ("d", 12)):
+    assert s.config.token_buckets == (8, 16, 32, 64)
+    for name, length in (("a", 32), ("b", 8), ("c", 32), ("d", 8)):
         s.add(make_request(name, length, max_tokens=1))
     plan, _ = _step(s, _runner(s))
     assert plan.row_requests == (("a", "c"),)
@@ -233,7 +233,7 @@ def test_admission_groups_prompts_of_the_head_bucket():
 
 def test_the_head_is_admitted_first_even_in_a_lonely_bucket():
     s = Scheduler(_config(max_num_seqs=2, prefill_chunk=64, max_num_batched_tokens=256))
-    for name, length in (("b", 10), ("a", 50), ("c", 60), ("d", 12)):
+    for name, length in (("b", 8), ("a", 32), ("c", 32), ("d", 8)):
         s.add(make_request(name, length, max_tokens=1))
     plan, _ = _step(s, _runner(s))
     assert plan.row_requests == (("b", "d"),)
@@ -242,10 +242,10 @@ def test_the_head_is_admitted_first_even_in_a_lonely_bucket():
 def test_bucketing_looks_no_further_than_the_lookahead():
     s = Scheduler(_config(max_num_seqs=2, prefill_chunk=64, max_num_batched_tokens=256))
     assert s.config.admission_lookahead == 4
-    for i, length in enumerate((50, 10, 11, 12, 13, 60)):  # the other 64-bucket prompt is 5th
+    for i, length in enumerate((32, 8, 8, 8, 8, 32)):  # the other 32-bucket prompt is 5th
         s.add(make_request(f"r{i}", length, max_tokens=1))
     plan, _ = _step(s, _runner(s))
-    assert plan.row_requests == (("r0", "r1"),)
+    assert plan.row_requests == (("r0",), ("r1",))  # one sub-batch per bucket
 
 
 # Preemption.
@@ -317,10 +317,10 @@ def test_eos_is_not_a_stop_without_eos_ids():
 
 def test_finish_on_a_stop_string_frees_pages():
     s = Scheduler(_config())
-    r = make_request("a", 10)
+    r = make_request("a", 12)
     s.add(r)
-    _step(s, _runner(s))
-    assert s.allocator.num_used == 3
+    _step(s, _runner(s))  # a chunk of 8 tokens, cut to its bucket: 2 pages of 4
+    assert s.allocator.num_used == 2
     assert s.finish("a", "stop", stop_reason="\n")
     assert (r.finish_reason, r.stop_reason, r.pages) == ("stop", "\n", [])
     assert s.allocator.num_used == 0 and not s.has_unfinished() and s.get("a") is None
@@ -331,11 +331,11 @@ def test_finish_on_a_stop_string_frees_pages():
 
 def test_abort_frees_pages_at_once_whether_waiting_or_running():
     s = Scheduler(_config(max_num_seqs=1))
-    a, b = make_request("a", 10), make_request("b", 10)
+    a, b = make_request("a", 12), make_request("b", 12)
     s.add(a)
     s.add(b)
     _step(s, _runner(s))
-    assert s.num_running == 1 and s.num_waiting == 1 and s.allocator.num_used == 3
+    assert s.num_running == 1 and s.num_waiting == 1 and s.allocator.num_used == 2
     assert s.abort("b") and b.finish_reason == "abort" and s.num_waiting == 0
     assert s.abort("a") and a.status is RequestStatus.FINISHED_ABORTED and a.pages == []
     assert s.allocator.num_used == 0 and s.num_running == 0
@@ -465,6 +465,48 @@ def test_padded_prefill_stays_within_the_budget(seed):
                 rows = pick_bucket(batch.num_rows, rows_buckets)
                 tokens = pick_bucket(batch.tokens.shape[1], config.token_buckets)
                 assert rows * tokens <= max(config.max_num_batched_tokens, tokens)
+
+    drive(s, _runner(s), on_step=check)
+    _assert_reference_outputs(requests)
+
+
+def test_a_chunk_is_cut_to_its_bucket_and_only_the_last_piece_pads():
+    s = Scheduler(_config(prefill_chunk=32, max_num_batched_tokens=64))
+    assert s.config.token_buckets == (8, 16, 32)
+    r = make_request("a", 45, max_tokens=1)
+    s.add(r)
+    runner = _runner(s)
+    pieces = [_rows(_step(s, runner)[0]) for _ in range(3)]
+    assert pieces == [[[("a", 32, False)]], [[("a", 8, False)]], [[("a", 5, True)]]]
+    assert r.is_finished and r.output_token_ids == reference_outputs(r.prompt_token_ids, 1)
+
+
+def test_prefill_rows_of_different_buckets_run_as_separate_sub_batches():
+    s = Scheduler(_config(prefill_chunk=32, max_num_batched_tokens=128, max_num_seqs=5))
+    decoding = make_request("d", 3, max_tokens=4)
+    s.add(decoding)
+    runner = _runner(s)
+    _step(s, runner)
+    for name, length in (("a", 16), ("b", 32), ("c", 16), ("e", 8)):
+        s.add(make_request(name, length, max_tokens=2))
+    plan, _ = _step(s, runner)
+    assert plan.row_requests == (("b",), ("a", "c"), ("e",), ("d",))
+    assert [b.tokens.shape[1] for b in plan.sub_batches] == [32, 16, 8, 1]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_prefill_row_fills_a_bucket_but_a_prompts_last_short_piece(seed):
+    config = _config(bound_padded_prefill=True, max_num_batched_tokens=64, prefill_chunk=32)
+    s = Scheduler(config)
+    requests = random_requests(np.random.default_rng(seed), 12, max_prompt=90, max_output=6)
+    for r in requests:
+        s.add(r)
+
+    def check(plan):
+        for ids, batch, samples in zip(plan.row_requests, plan.sub_batches, plan.row_samples):
+            for n, is_last in zip(batch.num_new.tolist(), samples.tolist()):
+                if n > 1:
+                    assert n in config.token_buckets or (is_last and n < config.token_buckets[0])
 
     drive(s, _runner(s), on_step=check)
     _assert_reference_outputs(requests)

@@ -77,9 +77,9 @@ def test_runner_compiles_once_per_bucket():
         num_pages=32, page_size=4, max_rows=4, max_tokens=32, max_pages_per_seq=8))
     plan = lambda n, cached: sub_batch_from_rows(  # noqa: E731
         [([1] * n, cached, [1, 2, 3, 4])], page_size=4)
-    runner.execute([plan(5, 0)])
+    runner.execute([plan(11, 0)])
     with CompileCounter() as same_bucket:
-        runner.execute([plan(9, 5)])  # 9 tokens pads to the same 16-token bucket as 5
+        runner.execute([plan(9, 5)])  # 9 tokens pads to the same 16-token bucket as 11
         runner.execute([plan(1, 14)])
         runner.execute([plan(1, 14)])
     with CompileCounter() as new_bucket:
@@ -98,11 +98,11 @@ def test_padding_rows_do_not_disturb_real_rows():
     plan = sub_batch_from_rows(rows, page_size=4)
     (want,) = alone.execute([plan])
     (got,) = padded.execute([sub_batch_from_rows(rows * 1, page_size=4)])
-    assert padded.padded_shape(plan) == (1, 16, 4)
+    assert padded.padded_shape(plan) == (1, 8, 4)
     np.testing.assert_array_equal(got.tokens, want.tokens)
     three = sub_batch_from_rows(rows + [([8], 0, [4]), ([9, 9], 0, [5])], page_size=4)
     (three_out,) = padded.execute([three])  # pads to 4 rows
-    assert padded.padded_shape(three) == (4, 16, 4)
+    assert padded.padded_shape(three) == (4, 8, 4)
     assert three_out.tokens[0] == want.tokens[0]
     np.testing.assert_allclose(three_out.logprobs[0], want.logprobs[0], atol=1e-6)
 
