@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -116,6 +117,9 @@ class ModelRunner:
         self.model_config = model.config
         self.config = config
         self.layout = layout
+        # Seconds the last `execute` waited for the device, after every call was dispatched:
+        # the rest of its time is host work (padding, transfers, dispatch).
+        self.last_wait_seconds = 0.0
         self.num_replicas = layout.num_replicas if layout is not None else 1
         if layout is not None:  # place the stacked weights, then split them per layer
             graphdef, params = nnx.split(model)
@@ -154,7 +158,9 @@ class ModelRunner:
         if sampling is None:
             sampling = [greedy_sampling(b.num_rows) for b in sub_batches]
         dispatched = [self._dispatch(plan, s) for plan, s in zip(sub_batches, sampling)]
+        started = time.perf_counter()
         host = jax.device_get([out for out, _ in dispatched])  # the step's one copy to the host
+        self.last_wait_seconds = time.perf_counter() - started
         return [_unpad(o, p, index) for o, p, (_, index) in zip(host, sub_batches, dispatched)]
 
     def _dispatch(self, plan: SubBatchPlan, sampling: SamplingArrays):

@@ -231,8 +231,9 @@ def _engine_side(engine: Engine, before, wall: float,
     stats = _stats_delta(before, engine.stats)
     return {
         "num_steps": stats.num_steps, "step_seconds": stats.step_seconds,
-        "host_seconds": wall - stats.step_seconds,
-        "host_overhead": 1 - stats.step_seconds / wall,
+        "device_wait_seconds": stats.device_wait_seconds,
+        "host_seconds": wall - stats.device_wait_seconds,
+        "host_overhead": 1 - stats.device_wait_seconds / wall,
         "prefill_padding": stats.prefill_padding, "decode_padding": stats.decode_padding,
         "preemptions": engine.scheduler.num_preemptions,
         "compiles_after_warmup": stats.compiles_after_warmup,
@@ -364,6 +365,7 @@ def run_roofline(model, config: EngineConfig, *, batches: Sequence[int] = ROOFLI
             rows.append({"batch": batch, "step_s": step, "floor_s": floor, "ratio": floor / step,
                          "output_tokens_per_s": batch / step})
     return {"bandwidth_bytes_per_s": machine.bandwidth,
+            "update_bandwidth_bytes_per_s": machine.update_bandwidth,
             "matmul_flops_per_s": machine.matmul_rate, "context": context, "rows": rows,
             "skipped_batches": skipped}
 

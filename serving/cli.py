@@ -582,7 +582,8 @@ def run_roofline(args: argparse.Namespace) -> None:
                            page_size=llm.engine.config.page_size,
                            layout=llm.engine.runner.layout)
     machine = roofline.measure_machine()
-    print(f"bandwidth {machine.bandwidth / 1e9:.1f} GB/s, matmul {machine.matmul_rate / 1e9:.1f} "
+    print(f"bandwidth {machine.bandwidth / 1e9:.1f} GB/s (copy; in-place update "
+          f"{machine.update_bandwidth / 1e9:.1f}), matmul {machine.matmul_rate / 1e9:.1f} "
           f"GFLOP/s, weights {weight_bytes(config) / 1e6:.0f} MB")
     print(f"{'batch':>5} {'step ms':>9} {'floor ms':>9} {'floor/step':>10}")
     for batch in batches:

@@ -178,6 +178,7 @@ class Engine:
         with CompileCounter() as compiles:
             results = self.runner.execute(plan.sub_batches, plan.sampling)
         self.stats.record_step(plan, self.runner, time.perf_counter() - started, compiles.count)
+        self.stats.device_wait_seconds += self.runner.last_wait_seconds
         return self._update(plan, results)
 
     def abort(self, request_id: str) -> bool:
@@ -334,7 +335,8 @@ class EngineStats:
     num_steps: int = 0
     warmup_compiles: int = 0
     compiles_after_warmup: int = 0
-    step_seconds: float = 0.0
+    step_seconds: float = 0.0  # in `runner.execute`, host preparation included
+    device_wait_seconds: float = 0.0  # of which waiting for the device once all was dispatched
     prefill_tokens: int = 0
     prefill_slots: int = 0  # padded token slots computed for prefill
     decode_tokens: int = 0

@@ -3,9 +3,9 @@
     floor(B) = max(weight_bytes / bandwidth, 2 * B * params / matmul_rate)
                + B * kv_bytes_read / bandwidth
 
-Bandwidth is measured as a large array update through XLA (bytes read plus bytes written); the
-matmul rate as a large float32 matmul. Both are medians over several runs, measured in the same
-process as the step they judge, since shared machines drift.
+Bandwidth is measured as a large array copy through XLA, counting bytes read plus bytes written;
+the matmul rate as a large float32 matmul. Both are medians over several runs, measured in the
+same process as the step they judge, since shared machines drift.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from meshserve.model.runner import ModelRunner
 
 @dataclasses.dataclass(frozen=True)
 class Machine:
-    bandwidth: float  # bytes / s
+    bandwidth: float  # bytes / s, a copy: what the floor uses
     matmul_rate: float  # flop / s
+    update_bandwidth: float | None = None  # bytes / s, an in-place update, for context
 
 
 def median_seconds(fn: Callable[[], object], *, repeats: int) -> float:
@@ -41,10 +42,28 @@ def median_seconds(fn: Callable[[], object], *, repeats: int) -> float:
 
 
 def measure_bandwidth(num_bytes: int = 512 << 20, *, repeats: int = 10) -> float:
-    """Bytes read plus written per second by an in-place update of a large array.
+    """Bytes read plus written per second by a large array copy.
 
-    The buffer is donated, so every run rewrites the same memory; a fresh output each run would
-    measure page faults instead of bandwidth.
+    The copy is STREAM's "scale" kernel, dst = 1.0001 * src: XLA emits a plain `copy` on one
+    thread, while an elementwise op runs on every core. The destination is donated, so each run
+    writes the same memory; a fresh output each run would measure page faults instead.
+    """
+    state = {"src": jnp.ones((num_bytes // 4,), jnp.float32),
+             "dst": jnp.zeros((num_bytes // 4,), jnp.float32)}
+    scale = jax.jit(lambda src, dst: dst.at[:].set(src * 1.0001), donate_argnums=1)
+
+    def run():
+        state["dst"] = scale(state["src"], state["dst"])
+        return state["dst"]
+
+    return 2 * num_bytes / median_seconds(run, repeats=repeats)
+
+
+def measure_update_bandwidth(num_bytes: int = 512 << 20, *, repeats: int = 10) -> float:
+    """Bytes read plus written per second by an in-place update of a large array (a += 1).
+
+    Reported beside the copy for context: a buffer read and rewritten in place skips the read
+    that a write to other memory costs first, so this figure is the higher one.
     """
     state = {"x": jnp.ones((num_bytes // 4,), jnp.float32)}
     bump = jax.jit(lambda a: a + 1.0, donate_argnums=0)
@@ -63,7 +82,8 @@ def measure_matmul_rate(n: int = 2048, *, repeats: int = 5) -> float:
 
 
 def measure_machine() -> Machine:
-    return Machine(bandwidth=measure_bandwidth(), matmul_rate=measure_matmul_rate())
+    return Machine(bandwidth=measure_bandwidth(), matmul_rate=measure_matmul_rate(),
+                   update_bandwidth=measure_update_bandwidth())
 
 
 def decode_floor(config: ModelConfig, machine: Machine, *, batch: int, context: int) -> float:

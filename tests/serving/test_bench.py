@@ -57,6 +57,8 @@ def test_quick_run_writes_the_full_schema_plots_and_roofline(tmp_path, capsys):
                     "host_seconds", "wall_s", "output_tokens_per_s"):
             assert isinstance(r[key], float), key
         assert 0 <= r["host_overhead"] < 1
+        assert 0 < r["device_wait_seconds"] <= r["step_seconds"] < r["wall_s"]
+        assert r["host_seconds"] == pytest.approx(r["wall_s"] - r["device_wait_seconds"])
         kv = r["kv"]
         assert kv["num_samples"] == r["num_steps"] > 0
         assert 0 < kv["peak_used_pages"] <= kv["total_pages"]
@@ -64,6 +66,7 @@ def test_quick_run_writes_the_full_schema_plots_and_roofline(tmp_path, capsys):
         assert r["ttft_s"]["count"] == r["e2el_s"]["count"] == 16
     roof = results["roofline"]
     assert roof["bandwidth_bytes_per_s"] > 0 and roof["matmul_flops_per_s"] > 0
+    assert roof["update_bandwidth_bytes_per_s"] > 0
     assert [row["batch"] for row in roof["rows"]] == [1, 8]
     for row in roof["rows"]:
         assert row["step_s"] > 0 and row["floor_s"] > 0
