@@ -42,7 +42,6 @@ from meshserve.batching.plan import SamplingArrays, SubBatchPlan, empty_sub_batc
 from meshserve.model.attention import KVCache, SubBatch, init_kv_cache
 from meshserve.model.sampler import DeviceSampling, device_sampling
 from meshserve.model.steps import sample_step
-from meshserve.model.transformer import unstack_layers
 
 _COMPILE_EVENT_PREFIX = "/jax/core/compile/"
 _BACKEND_COMPILE_EVENT = _COMPILE_EVENT_PREFIX + "backend_compile_duration"
@@ -121,10 +120,8 @@ class ModelRunner:
         # the rest of its time is host work (padding, transfers, dispatch).
         self.last_wait_seconds = 0.0
         self.num_replicas = layout.num_replicas if layout is not None else 1
-        if layout is not None:  # place the stacked weights, then split them per layer
-            graphdef, params = nnx.split(model)
-            model = nnx.merge(graphdef, jax.device_put(params, layout.params))
-        self.graphdef, self.params = nnx.split(unstack_layers(model))
+        self.graphdef, params = nnx.split(model)
+        self.params = params if layout is None else jax.device_put(params, layout.params)
         c = model.config
         init = functools.partial(
             init_kv_cache, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
@@ -136,7 +133,7 @@ class ModelRunner:
             sample_step, self.graphdef, num_top_logprobs=config.max_logprobs,
             constrain=None if layout is None else layout.constrain,
             replica_axes=() if layout is None else layout.replica_axes)
-        self._step = compile_step(step, layout, jax.tree.map(lambda a: a.sharding, self.params))
+        self._step = compile_step(step, layout)
 
     def padded_shape(self, plan: SubBatchPlan) -> tuple[int, int, int]:
         """The bucket `(rows per replica, tokens, pages)` that `plan` runs at."""
@@ -256,11 +253,8 @@ def _unpad(out, plan: SubBatchPlan, index: np.ndarray) -> SampledRows:
         prompt_top_logprobs=prompt(out.prompt_top_logprobs))
 
 
-def compile_step(step: Callable, layout: DeviceLayout | None,
-                 param_shardings=None) -> Callable:
-    """The jitted step; with a layout, mapped over the replica axes and sharded in and out.
-
-    `param_shardings` (default: `layout.params`) places the weights the step is called with."""
+def compile_step(step: Callable, layout: DeviceLayout | None) -> Callable:
+    """The jitted step; with a layout, mapped over the replica axes and sharded in and out."""
     if layout is None:
         return jax.jit(step, donate_argnums=(1,))
     if layout.replica_axes:
@@ -268,8 +262,7 @@ def compile_step(step: Callable, layout: DeviceLayout | None,
         step = jax.shard_map(step, mesh=layout.mesh, in_specs=(PartitionSpec(), cache, rows, rows),
                              out_specs=(rows, cache), axis_names=set(layout.replica_axes),
                              check_vma=False)
-    params = layout.params if param_shardings is None else param_shardings
-    return jax.jit(step, in_shardings=(params, layout.cache, layout.rows, layout.rows),
+    return jax.jit(step, in_shardings=(layout.params, layout.cache, layout.rows, layout.rows),
                    out_shardings=(layout.rows, layout.cache), donate_argnums=(1,))
 
 

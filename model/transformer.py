@@ -13,13 +13,11 @@ loaders produce; `meshserve.model.loaders.expected_shapes` lists them.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from meshserve.model.config import ModelConfig
 from meshserve.model.layers import Dense, Embed, LayerNorm, RMSNorm, apply_rope, rope_tables
@@ -179,20 +177,22 @@ def abstract_model(config: ModelConfig) -> Llama | GPT2:
 def run_layers(model, tokens: jax.Array, positions: jax.Array, ctx, constrain=None):
     """Embeds flattened tokens [N] and applies every layer. -> (hidden [N, D], ctx).
 
-    Stacked layers run under one `lax.scan`; unstacked ones (`unstack_layers`) run one after
-    another, each reading its own weight buffers.
-
     `constrain(x, logical_axes)`, when given, pins the residual stream's sharding between layers
     (under tensor parallelism: replicated, so each layer ends in one all-reduce).
     """
     constrain = constrain or (lambda x, axes: x)
     x = constrain(model.embed_tokens(tokens, positions), RESIDUAL_AXES)  # [N, D]
+    return apply_layers(model, x, positions, ctx, constrain)
+
+
+def apply_layers(model, x: jax.Array, positions: jax.Array, ctx, constrain=None):
+    """Applies every layer of `model` to the residual stream x [N, D]. -> (hidden [N, D], ctx).
+
+    The stacked layers run under one `lax.scan`. A pipeline stage passes a model holding only its
+    own layers: layer ids (which index the KV cache) are then local to the stage.
+    """
+    constrain = constrain or (lambda x, axes: x)
     rope = model.position_tables(positions)
-    if isinstance(model.layers, nnx.List):
-        for layer, block in enumerate(model.layers):
-            x, ctx = block(x, ctx, layer, rope)
-            x = constrain(x, RESIDUAL_AXES)
-        return x, ctx
     graphdef, layer_params = nnx.split(model.layers)
 
     def one_layer(carry, xs):
@@ -201,52 +201,10 @@ def run_layers(model, tokens: jax.Array, positions: jax.Array, ctx, constrain=No
         x, ctx = nnx.merge(graphdef, params)(x, ctx, layer, rope)
         return (constrain(x, RESIDUAL_AXES), ctx), None
 
-    layer_ids = jnp.arange(model.config.num_layers, dtype=jnp.int32)
+    num_layers = jax.tree.leaves(layer_params)[0].shape[0]
+    layer_ids = jnp.arange(num_layers, dtype=jnp.int32)
     (x, ctx), _ = jax.lax.scan(one_layer, (x, ctx), (layer_params, layer_ids))
     return x, ctx
-
-
-def unstack_layers(model):
-    """The same model with its layer stack split into one block per layer, each weight its own
-    buffer (placed like its stacked parent, less the `layers` axis).
-
-    Serving runs these: a layer scan slices every weight out of its stack each step, and XLA:CPU
-    copies each slice before the matmul reads it, which costs about as much memory traffic as the
-    matmuls themselves. The stacked form stays the canonical one (loaders, checkpoints, padding).
-    """
-    if isinstance(model.layers, nnx.List):
-        return model
-    graphdef, state = nnx.split(model)
-    layers_def, layers_state = nnx.split(model.layers)
-    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-
-    def layer_var(var: nnx.Variable, i: int) -> nnx.Variable:
-        axes = var.get_metadata().get("axes")
-        value = _layer_of(var[...], i)
-        return var.replace(value=value, **({} if axes is None else {"axes": axes[1:]}))
-
-    blocks = [nnx.merge(layers_def, jax.tree.map(lambda v: layer_var(v, i), layers_state,
-                                                 is_leaf=is_var))
-              for i in range(model.config.num_layers)]
-    unstacked = nnx.merge(graphdef, state)  # a fresh module tree sharing the other weights
-    unstacked.layers = nnx.List(blocks)
-    return unstacked
-
-
-def _layer_of(stacked: jax.Array, i: int) -> jax.Array:
-    """Layer `i` of a stacked weight, split over the mesh as its parent was (less axis 0)."""
-    sharding = getattr(stacked, "sharding", None)
-    out = None
-    if isinstance(sharding, NamedSharding):
-        out = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[1:]))
-    return _layer_indexer(out)(stacked, i)
-
-
-@functools.lru_cache(maxsize=None)
-def _layer_indexer(out_sharding: NamedSharding | None):
-    # One program per weight shape and placement; the layer index is an argument.
-    return jax.jit(lambda a, i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False),
-                   out_shardings=out_sharding)
 
 
 def param_paths(model) -> dict[str, tuple[int, ...]]:

@@ -10,7 +10,7 @@ cache, the per-row step arrays and the activations have theirs here. A strategy 
     kv_heads       model       KV pages split by head, next to the heads that read them
     ffw            model       column-parallel gate/up, row-parallel down
     vocab          model       vocabulary-parallel embedding and lm_head
-    layers         -           the stage axis, once pipelining splits the layer stack
+    layers         stage       each pipeline stage holds its share of the layers (and their KV)
     embed, head_dim, positions, qkv, page_slot, tokens   replicated
 
 This is Megatron tensor parallelism: XLA inserts one all-reduce after o and one after down in each
@@ -94,7 +94,7 @@ DEFAULT_RULES = ShardingRules({
     "kv_heads": "model",
     "ffw": "model",
     "vocab": "model",
-    "layers": None,
+    "layers": "stage",
     "embed": None,
     "head_dim": None,
     "positions": None,

@@ -118,6 +118,20 @@ class Hlo:
     def collectives(self, within: set[str] | None = None) -> list[Op]:
         return [op for c in COLLECTIVES for op in self.ops(c, within)]
 
+    def loop_carrying(self, shape: tuple[int, ...]) -> Op:
+        """The one while loop whose state holds an array of `shape` (e.g. the KV cache shard)."""
+        loops = [op for op in self.ops("while") if any(dims == shape for _, dims in op.shapes)]
+        assert len(loops) == 1, f"{len(loops)} while loops carry {shape}"
+        return loops[0]
+
+    def body(self, loop: Op) -> set[str]:
+        (body,) = re.findall(r"\bbody=%([\w.\-]+)", loop.text)
+        return self.reachable(body)
+
+    def trip_count(self, loop: Op) -> int:
+        (count,) = re.findall(r'"known_trip_count":\{"n":"(\d+)"\}', loop.text)
+        return int(count)
+
     def parameter_shapes(self) -> set[tuple[int, ...]]:
         return {dims for op in self.computations[self.entry] if op.opcode == "parameter"
                 for _, dims in op.shapes}

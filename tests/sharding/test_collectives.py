@@ -1,21 +1,18 @@
 """The collectives XLA inserts into the compiled step: Megatron tensor parallelism, read off the
 partitioned HLO.
 
-The serving step runs its layers one after another, each from its own weight buffers, so every
-per-layer collective appears once per layer in the program. Found on the decode step (T = 1) of
-tiny-llama and tiny-gpt2 over model = 2 and 4:
+The layers run in one `lax.scan`, which becomes one while loop whose state carries the KV cache;
+its body is one layer, so the per-layer collectives appear there once. Found on the decode step
+(T = 1) of tiny-llama and tiny-gpt2 over model = 2 and 4:
 
-- per layer: exactly two all-reduces, both of the residual stream [N, D]: after the attention-out
-  projection (row-parallel o) and after the MLP-down projection (row-parallel down);
-- besides: one all-reduce [N, D] for the vocabulary-parallel embedding lookup (a masked local
-  gather, then a sum), and the sampler's reductions over the vocabulary-sharded logits, all of
-  them per row: all-reduces of [B] or [B, 1] (max, sum, the picked logprob), all-gathers of
-  [B, model] (one candidate per shard) and of [B, V] (the top-k logprobs row);
+- loop body: exactly two all-reduces, both of the residual stream [N, D]: after the attention-out
+  projection (row-parallel o) and after the MLP-down projection (row-parallel down); nothing else;
+- outside the loop: one all-reduce [N, D] for the vocabulary-parallel embedding lookup (a masked
+  local gather, then a sum), and the sampler's reductions over the vocabulary-sharded logits,
+  all of them per row: all-reduces of [B] or [B, 1] (max, sum, the picked logprob), all-gathers
+  of [B, model] (one candidate per shard) and of [B, V] (the top-k logprobs row);
 - every collective groups the devices of one model replica; across data replicas there is only
   the scalar all-greedy vote of the sampler.
-
-Projections keep their einsum as the HLO op name (`jax.named_scope`), so a collective can be
-traced to the projection it sums.
 """
 
 import numpy as np
@@ -42,13 +39,20 @@ def test_one_all_reduce_after_attention_and_one_after_mlp_per_layer(preset, mesh
     step = tensor_parallel_step(preset, mesh, tokens)
     hlo, config = step.hlo, step.runner.model_config
     residual = (ROWS * tokens, config.hidden_size)  # [N, D] per replica
-    summed = _residual_all_reduces(hlo, residual)
-    assert len(summed) == 2 * config.num_layers + 1
+    loop = hlo.loop_carrying(_cache_shard_shape(step))
+    assert hlo.trip_count(loop) == config.num_layers
+    body = hlo.body(loop)
+
+    inside = hlo.collectives(body)
+    assert [op.opcode for op in inside] == ["all-reduce", "all-reduce"]
+    assert [op.shapes for op in inside] == [(("f32", residual),)] * 2
     # Each sums the partial products of a row-parallel projection, named by its einsum.
-    assert ["nqh,qhd->nd" in op.text for op in summed].count(True) == config.num_layers  # o
-    assert ["nf,fd->nd" in op.text for op in summed].count(True) == config.num_layers  # down
-    others = [op for op in hlo.collectives() if op not in summed]
-    assert ("f32", residual) not in {s for op in others for s in op.shapes}
+    assert ["nqh,qhd->nd" in op.text for op in inside].count(True) == 1  # attention out (o)
+    assert ["nf,fd->nd" in op.text for op in inside].count(True) == 1  # MLP down
+
+    outside = hlo.collectives(set(hlo.computations) - body)
+    assert [op.shapes for op in outside if op.opcode == "all-reduce"
+            and op.shapes == (("f32", residual),)] == [(("f32", residual),)]  # the embedding
 
 
 @pytest.mark.parametrize("preset,mesh", TENSOR_PARALLEL_CASES)
@@ -56,14 +60,16 @@ def test_vocabulary_collectives_are_per_row(preset, mesh):
     step = tensor_parallel_step(preset, mesh)
     hlo, config = step.hlo, step.runner.model_config
     model_size = step.runner.layout.mesh.shape["model"]
+    body = hlo.body(hlo.loop_carrying(_cache_shard_shape(step)))
+    outside = set(hlo.computations) - body
     residual = (ROWS, config.hidden_size)
-    vocab_reductions = [op for op in hlo.ops("all-reduce")
+    vocab_reductions = [op for op in hlo.ops("all-reduce", outside)
                         if op.shapes != (("f32", residual),) and _arrays(op) != [()]]
     # The logits are split over the vocabulary, so the log-softmax needs its max and sum.
     assert len(vocab_reductions) >= 2
     for op in vocab_reductions:
         assert all(dims in ((ROWS,), (ROWS, 1)) for dims in _arrays(op)), op.text[:200]
-    gathers = hlo.ops("all-gather")
+    gathers = hlo.ops("all-gather", outside)
     assert gathers, "the top-k logprobs need the whole logits row"
     for op in gathers:
         assert all(dims in ((ROWS, model_size), (ROWS, config.vocab_size))
@@ -75,16 +81,17 @@ def test_no_weight_is_ever_gathered(preset, mesh):
     # The rule: every array that a collective moves is activation-sized. Each all-gather result
     # leads with the row count B (4) and holds at most one logits row per row (B * V elements);
     # every other collective moves [N, D] residuals, per-row values or scalars. A gathered weight
-    # (whole or in part) has a weight's shape, or does not lead with B, or (o, whose heads lead)
-    # has more than B * V elements; the last fact is checked first, so the rule bites.
+    # (whole or in part) would lead with L, V, D or the position count, and every weight split
+    # matrix split over model has more than B * V elements; both facts are checked first, so the
+    # rule bites. (Split biases are smaller, but lead with L.)
     step = tensor_parallel_step(preset, mesh)
     hlo, config = step.hlo, step.runner.model_config
     bound = ROWS * config.vocab_size
     weights = _weight_shapes(step)
-    assert all(int(np.prod(full)) > bound for full, _ in weights.values() if full[0] == ROWS)
+    assert ROWS not in {full[0] for full, _ in weights.values()}
     split = {key: full for key, (full, shard) in weights.items()
              if full != shard and key.endswith(("kernel", "embedding"))}
-    assert split  # and a gathered one would break a rule below: its shape, lead or size
+    assert split and min(int(np.prod(full)) for full in split.values()) > bound
     shapes = {s for pair in weights.values() for s in pair}
 
     for op in hlo.collectives():
@@ -119,21 +126,23 @@ def test_data_parallel_step_moves_no_weights(preset):
     assert [(op.opcode, _arrays(op)) for op in collectives] in ([], [("all-reduce", [()])])
     for op in collectives:
         assert replica_groups(op, 2) == [[0, 1]]
+    loop = step.hlo.loop_carrying(_cache_shard_shape(step))
+    assert step.hlo.collectives(step.hlo.body(loop)) == []
 
 
 def test_a_replicated_mlp_leaves_one_all_reduce_per_layer():
     # The rules table with ffw -> None: the same model, the MLP computed whole on every device.
     step = tensor_parallel_step("tiny-llama", "model=2", rules="ffw-replicated")
     hlo, config = step.hlo, step.runner.model_config
-    summed = _residual_all_reduces(hlo, (ROWS, config.hidden_size))
-    assert len(summed) == config.num_layers + 1  # one per layer, and the embedding's
-    # The one left in each layer follows the attention-out projection.
-    assert ["nqh,qhd->nd" in op.text for op in summed].count(True) == config.num_layers
-    assert not any("nf,fd->nd" in op.text for op in summed)
+    body = hlo.body(hlo.loop_carrying(_cache_shard_shape(step)))
+    inside = hlo.collectives(body)
+    assert [(op.opcode, op.shapes) for op in inside] == [
+        ("all-reduce", (("f32", (ROWS, config.hidden_size)),))]
+    assert "nqh,qhd->nd" in inside[0].text  # the one left follows the attention-out projection
 
 
-def _residual_all_reduces(hlo, residual: tuple[int, int]) -> list:
-    return [op for op in hlo.ops("all-reduce") if op.shapes == (("f32", residual),)]
+def _cache_shard_shape(step) -> tuple[int, ...]:
+    return step.runner.cache.k.addressable_shards[0].data.shape
 
 
 def _arrays(op) -> list[tuple[int, ...]]:

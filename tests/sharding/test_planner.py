@@ -113,11 +113,17 @@ def test_all_reduces_per_layer_equal_the_hlos(preset, mesh, tokens):
     config, shape = ModelConfig.preset(preset), shape_of(mesh)
     rows = step.args[2][0].tokens.shape[0] // shape.data  # per replica
     residual = (("f32", (rows * tokens, config.hidden_size)),)
-    summed = [op for op in step.hlo.ops("all-reduce") if op.shapes == residual]
-    # The layers run one after another in the program: count the projections each sums.
-    per_layer = sum(name in op.text for op in summed for name in ("nqh,qhd->nd", "nf,fd->nd"))
-    assert per_layer == planner.residual_all_reduces_per_layer(shape) * config.num_layers
-    assert len(summed) == planner.step_all_reduces_of_residual(config, shape)
+    hlo = step.hlo
+    # The layers run in one scan: a while loop over the layers, whose body is one layer.
+    loop = hlo.loop_carrying(step.runner.cache.k.addressable_shards[0].data.shape)
+    assert hlo.trip_count(loop) == config.num_layers
+    body = hlo.body(loop)
+    in_layer = [op for op in hlo.ops("all-reduce", body) if op.shapes == residual]
+    outside = [op for op in hlo.ops("all-reduce", set(hlo.computations) - body)
+               if op.shapes == residual]
+    assert len(in_layer) == planner.residual_all_reduces_per_layer(shape)
+    assert (len(in_layer) * config.num_layers + len(outside)
+            == planner.step_all_reduces_of_residual(config, shape))
 
 
 @pytest.mark.parametrize("preset,mesh,tokens", COMPILED_CASES[:4])

@@ -1,9 +1,6 @@
 """The rules table: logical axes -> partition specs for every weight, the KV cache and the rows."""
 
-import re
-
 import numpy as np
-
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -18,38 +15,39 @@ from meshserve.sharding.rules import (DEFAULT_RULES, KV_CACHE_AXES, LOGITS_AXES,
                                       ShardingRules)
 from tests.conftest import random_params
 
+# The layer axis goes to `stage` (a no-op on these meshes, whose stage axis has size 1).
 LLAMA_SPECS = {
     "embed/embedding": P("model"),  # (vocab, embed): vocabulary-parallel
-    "layers/attn/q/kernel": P(None, None, "model"),  # (layers, embed, heads, head_dim): column
-    "layers/attn/k/kernel": P(None, None, "model"),  # (layers, embed, kv_heads, head_dim)
-    "layers/attn/v/kernel": P(None, None, "model"),
-    "layers/attn/o/kernel": P(None, "model"),  # (layers, heads, head_dim, embed): row
-    "layers/mlp/gate/kernel": P(None, None, "model"),  # (layers, embed, ffw): column
-    "layers/mlp/up/kernel": P(None, None, "model"),
-    "layers/mlp/down/kernel": P(None, "model"),  # (layers, ffw, embed): row
-    "layers/attn_norm/scale": P(),
-    "layers/mlp_norm/scale": P(),
+    "layers/attn/q/kernel": P("stage", None, "model"),  # (layers, embed, heads, head_dim): column
+    "layers/attn/k/kernel": P("stage", None, "model"),  # (layers, embed, kv_heads, head_dim)
+    "layers/attn/v/kernel": P("stage", None, "model"),
+    "layers/attn/o/kernel": P("stage", "model"),  # (layers, heads, head_dim, embed): row
+    "layers/mlp/gate/kernel": P("stage", None, "model"),  # (layers, embed, ffw): column
+    "layers/mlp/up/kernel": P("stage", None, "model"),
+    "layers/mlp/down/kernel": P("stage", "model"),  # (layers, ffw, embed): row
+    "layers/attn_norm/scale": P("stage"),
+    "layers/mlp_norm/scale": P("stage"),
     "final_norm/scale": P(),
     "lm_head/kernel": P(None, "model"),  # (embed, vocab): vocabulary-parallel
 }
 QKV_BIAS_SPECS = {  # (layers, heads, head_dim), as Qwen2 has them
-    "layers/attn/q/bias": P(None, "model"),
-    "layers/attn/k/bias": P(None, "model"),
-    "layers/attn/v/bias": P(None, "model"),
+    "layers/attn/q/bias": P("stage", "model"),
+    "layers/attn/k/bias": P("stage", "model"),
+    "layers/attn/v/bias": P("stage", "model"),
 }
 GPT2_SPECS = {
     "embed/embedding": P("model"),
     "pos_embed/embedding": P(),  # (positions, embed)
-    "layers/attn/qkv/kernel": P(None, None, None, "model"),  # (layers, embed, qkv, heads, h)
-    "layers/attn/qkv/bias": P(None, None, "model"),  # (layers, qkv, heads, head_dim)
-    "layers/attn/o/kernel": P(None, "model"),
-    "layers/attn/o/bias": P(),  # (layers, embed): added after the all-reduce
-    "layers/mlp/up/kernel": P(None, None, "model"),
-    "layers/mlp/up/bias": P(None, "model"),  # (layers, ffw)
-    "layers/mlp/down/kernel": P(None, "model"),
-    "layers/mlp/down/bias": P(),
-    "layers/attn_norm/scale": P(), "layers/attn_norm/bias": P(),
-    "layers/mlp_norm/scale": P(), "layers/mlp_norm/bias": P(),
+    "layers/attn/qkv/kernel": P("stage", None, None, "model"),  # (layers, embed, qkv, heads, h)
+    "layers/attn/qkv/bias": P("stage", None, "model"),  # (layers, qkv, heads, head_dim)
+    "layers/attn/o/kernel": P("stage", "model"),
+    "layers/attn/o/bias": P("stage"),  # (layers, embed): added after the all-reduce
+    "layers/mlp/up/kernel": P("stage", None, "model"),
+    "layers/mlp/up/bias": P("stage", "model"),  # (layers, ffw)
+    "layers/mlp/down/kernel": P("stage", "model"),
+    "layers/mlp/down/bias": P("stage"),
+    "layers/attn_norm/scale": P("stage"), "layers/attn_norm/bias": P("stage"),
+    "layers/mlp_norm/scale": P("stage"), "layers/mlp_norm/bias": P("stage"),
     "final_norm/scale": P(), "final_norm/bias": P(),
 }
 
@@ -73,15 +71,15 @@ def test_layout_alone_replicates_kv_heads_that_do_not_divide():
     # device_layout does not pad: tiny-llama's 2 kv heads over model=4 stay whole.
     model = abstract_model(ModelConfig.preset("tiny-llama"))
     specs = _param_specs(device_layout(model, MeshConfig(model=4).make_mesh()))
-    assert specs["layers/attn/k/kernel"] == specs["layers/attn/v/kernel"] == P()
-    assert specs["layers/attn/q/kernel"] == P(None, None, "model")  # 4 heads divide
+    assert specs["layers/attn/k/kernel"] == specs["layers/attn/v/kernel"] == P("stage")
+    assert specs["layers/attn/q/kernel"] == P("stage", None, "model")  # 4 heads divide
 
 
 def test_weight_specs_of_smollm2_when_everything_divides():
     model = abstract_model(ModelConfig.preset("smollm2-135m"))  # 9 heads, 3 kv heads, tied
     layout = device_layout(model, MeshConfig(model=3).make_mesh())
     assert _param_specs(layout) == {k: v for k, v in LLAMA_SPECS.items() if k != "lm_head/kernel"}
-    assert layout.cache.spec == P(None, "model", "data")
+    assert layout.cache.spec == P("stage", "model", "data")
 
 
 def test_placed_weights_carry_their_specs():
@@ -90,13 +88,11 @@ def test_placed_weights_carry_their_specs():
     runner = ModelRunner(prepared.model, _runner_config(), prepared.layout)
     for path, var in nnx.to_flat_state(runner.params):
         key = "/".join(map(str, path))
-        stacked = re.sub(r"^layers/\d+/", "layers/", key)  # the runner holds one block per layer
-        want = LLAMA_SPECS[stacked] if stacked == key else P(*LLAMA_SPECS[stacked][1:])
-        assert var[...].sharding.spec == want, key
+        assert var[...].sharding.spec == LLAMA_SPECS[key], key
         assert var[...].sharding.mesh == prepared.layout.mesh
     # A column-parallel kernel: each model shard holds half the heads, both data replicas hold it.
-    q = runner.params["layers"][0]["attn"]["q"]["kernel"][...]
-    assert {s.data.shape for s in q.addressable_shards} == {(64, 2, 16)}
+    q = runner.params["layers"]["attn"]["q"]["kernel"][...]
+    assert {s.data.shape for s in q.addressable_shards} == {(2, 64, 2, 16)}
     assert len({str(s.index) for s in q.addressable_shards}) == 2
 
 
@@ -143,10 +139,10 @@ def test_unpadded_smollm2_heads_do_not_divide_two():
     model = abstract_model(ModelConfig.preset("smollm2-135m"))
     mesh = MeshConfig(model=2).make_mesh()
     specs = _param_specs(device_layout(model, mesh))
-    assert specs["layers/attn/q/kernel"] == P()
-    assert specs["layers/attn/k/kernel"] == P()
-    assert specs["layers/attn/o/kernel"] == P()
-    assert specs["layers/mlp/gate/kernel"] == P(None, None, "model")  # 1536 divides
+    assert specs["layers/attn/q/kernel"] == P("stage")
+    assert specs["layers/attn/k/kernel"] == P("stage")
+    assert specs["layers/attn/o/kernel"] == P("stage")
+    assert specs["layers/mlp/gate/kernel"] == P("stage", None, "model")  # 1536 divides
     assert specs["embed/embedding"] == P("model")  # 49152 divides
     assert DEFAULT_RULES.replicated_dims(("layers", "embed", "heads", "head_dim"),
                                          (30, 576, 9, 64), mesh) == ["heads"]
@@ -159,7 +155,7 @@ def test_prepare_reports_replicated_weights():
     assert prepared.replicated == {"embed/embedding": ["vocab"], "lm_head/kernel": ["vocab"]}
     specs = _param_specs(prepared.layout)
     assert specs["embed/embedding"] == P() and specs["lm_head/kernel"] == P()
-    assert specs["layers/attn/q/kernel"] == P(None, None, "model")  # padded 4 -> 8 heads
+    assert specs["layers/attn/q/kernel"] == P("stage", None, "model")  # padded 4 -> 8 heads
 
 
 def test_prepare_pads_smollm2_heads_so_nothing_is_replicated():
@@ -172,9 +168,9 @@ def test_prepare_pads_smollm2_heads_so_nothing_is_replicated():
 
 
 def test_only_drops_mesh_axes():
-    assert DEFAULT_RULES.spec(KV_CACHE_AXES) == P(None, "model", "data")
+    assert DEFAULT_RULES.spec(KV_CACHE_AXES) == P("stage", "model", "data")
     assert DEFAULT_RULES.spec(KV_CACHE_AXES, only=("data",)) == P(None, None, "data")
-    assert DEFAULT_RULES.spec(KV_CACHE_AXES, only=("model", "stage")) == P(None, "model")
+    assert DEFAULT_RULES.spec(KV_CACHE_AXES, only=("model", "stage")) == P("stage", "model")
     assert DEFAULT_RULES.spec(LOGITS_AXES) == P("data", "model")
     assert DEFAULT_RULES.spec(LOGITS_AXES, only=("model",)) == P(None, "model")
     assert DEFAULT_RULES.spec(LOGITS_AXES, only=()) == P()
@@ -192,7 +188,7 @@ def test_a_different_table_changes_the_layout_without_a_model_edit():
     no_ffw = _param_specs(device_layout(model, mesh, ShardingRules(
         {**DEFAULT_RULES.table, "ffw": None})))
     mlp = {"layers/mlp/gate/kernel", "layers/mlp/up/kernel", "layers/mlp/down/kernel"}
-    assert {k: no_ffw[k] for k in mlp} == dict.fromkeys(mlp, P())
+    assert {k: no_ffw[k] for k in mlp} == dict.fromkeys(mlp, P("stage"))
     assert {k: v for k, v in no_ffw.items() if k not in mlp} == {
         k: v for k, v in LLAMA_SPECS.items() if k not in mlp}
 
@@ -208,8 +204,8 @@ def test_a_different_table_places_real_weights_and_keeps_the_logits():
     rules = ShardingRules({**DEFAULT_RULES.table, "ffw": None, "vocab": None})
     prepared = prepare(model, "model=2", rules=rules)
     runner = ModelRunner(prepared.model, _runner_config(), prepared.layout)
-    down = runner.params["layers"][0]["mlp"]["down"]["kernel"][...]
-    q = runner.params["layers"][0]["attn"]["q"]["kernel"][...]
+    down = runner.params["layers"]["mlp"]["down"]["kernel"][...]
+    q = runner.params["layers"]["attn"]["q"]["kernel"][...]
     assert down.sharding.is_fully_replicated
     assert not q.sharding.is_fully_replicated
     reference = ModelRunner(model, _runner_config())
@@ -226,7 +222,7 @@ def test_a_different_table_places_real_weights_and_keeps_the_logits():
 def test_kv_cache_and_row_shardings(mesh, replicas):
     # [layers, kv_heads, pages, page_slot, head_dim]: split by head over model, by page over data
     # (an axis of size 1 keeps its name: the same specs serve every mesh shape).
-    cache, cache_manual, rows = P(None, "model", "data"), P(None, None, "data"), P("data")
+    cache, cache_manual, rows = P("stage", "model", "data"), P(None, None, "data"), P("data")
     config = ModelConfig.preset("tiny-llama")
     prepared = prepare(model_from_params(config, random_params(config)), mesh)
     layout = prepared.layout
