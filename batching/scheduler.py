@@ -376,8 +376,14 @@ def stop_status(request: Request, eos_token_ids: Sequence[int]
 
     Below `min_tokens` neither a stop token nor EOS counts; `max_tokens` always does.
     """
-    params, token = request.params, request.output_token_ids[-1]
-    num_outputs = len(request.output_token_ids)
+    return stop_status_at(request, len(request.output_token_ids) - 1, eos_token_ids)
+
+
+def stop_status_at(request: Request, index: int, eos_token_ids: Sequence[int]
+                   ) -> tuple[RequestStatus, int | None] | None:
+    """`stop_status` as if output `index` were the newest."""
+    params, token = request.params, request.output_token_ids[index]
+    num_outputs = index + 1
     if num_outputs >= params.min_tokens:
         if token in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED, token

@@ -82,18 +82,21 @@ class Sampled:
     top_logprobs: jax.Array  # [B, K] float32
 
 
-def device_sampling(arrays: SamplingArrays, *, min_tokens: np.ndarray | None = None,
-                    banned_ids: np.ndarray | None = None, rows: int | None = None,
-                    history_width: int | None = None,
-                    banned_width: int | None = None, index: np.ndarray | None = None,
-                    sharding=None) -> DeviceSampling:
-    """Moves `arrays` to device in one `device_put`, padded to fixed shapes when asked.
+def device_sampling(arrays: SamplingArrays, *, sharding=None, **padding) -> DeviceSampling:
+    """`host_sampling(arrays, **padding)` moved to device in one `device_put`."""
+    return jax.device_put(host_sampling(arrays, **padding), sharding)
+
+
+def host_sampling(arrays: SamplingArrays, *, min_tokens: np.ndarray | None = None,
+                  banned_ids: np.ndarray | None = None, rows: int | None = None,
+                  history_width: int | None = None, banned_width: int | None = None,
+                  index: np.ndarray | None = None) -> DeviceSampling:
+    """`arrays` as a `DeviceSampling` of numpy arrays, padded to fixed shapes when asked.
 
     `min_tokens` and `banned_ids`, when given, replace those of `arrays`; where neither has them
     they default to 0 and one column of -1 (no stop masking). `rows`, `history_width` and
     `banned_width` pad to those sizes (so compiled shapes stay bucketed) with neutral greedy rows
-    and -1 columns. Row i goes to padded row `index[i]` (default: in order); `sharding` places
-    the result.
+    and -1 columns. Row i goes to padded row `index[i]` (default: in order).
     """
     num_rows = arrays.num_rows
     host = {f.name: getattr(arrays, f.name) for f in dataclasses.fields(arrays)}
@@ -110,7 +113,7 @@ def device_sampling(arrays: SamplingArrays, *, min_tokens: np.ndarray | None = N
     index = np.arange(num_rows) if index is None else index
     padded = {name: _pad(np.asarray(value), name, rows or num_rows, widths.get(name), index)
               for name, value in host.items()}
-    return jax.device_put(DeviceSampling(**padded), sharding)
+    return DeviceSampling(**padded)
 
 
 def _pad(value: np.ndarray, name: str, rows: int, width: int | None,

@@ -23,13 +23,16 @@ from typing import Sequence
 
 import numpy as np
 
+from meshserve.batching.pipeline import (PLACEHOLDER, PipelineSchedule, UnitShape,
+                                         build_schedule)
 from meshserve.batching.plan import StepPlan
 from meshserve.batching.request import Request, RequestStatus
 from meshserve.batching.sampling import SamplingParams
-from meshserve.batching.scheduler import Scheduler, SchedulerConfig
+from meshserve.batching.scheduler import Scheduler, SchedulerConfig, stop_status_at
 from meshserve.model.hub import cache_root
 from meshserve.model.runner import (CompileCounter, ModelRunner, RunnerConfig, SampledRows,
                                     enable_compilation_cache)
+from meshserve.model.pipeline import PipelineRunner
 from meshserve.model.tokenizer import IncrementalDecoder, Tokenizer
 from meshserve.serving.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from meshserve.sharding.layout import prepare
@@ -58,6 +61,10 @@ class EngineConfig:
     # model's context, at most DEFAULT_MAX_MODEL_LEN
     policy: str = "continuous"  # "continuous" or the "static" baseline
     max_logprobs: int = 20  # (compile) top logprobs computed each step
+    pipeline_rounds: int = 4  # (compile) steps one pipeline call runs before the host steps in
+    # (stage > 1 only; 1 for any call with a penalty, which needs every token on the host)
+    bubble_filling: bool = True  # stage > 1: overlap rounds and fill idle stage slots with
+    # prefill chunks; off: every round fills and drains the pipeline (the plain schedule)
     warmup: bool = True  # compile every bucket at start
     compilation_cache: bool = True  # keep compiled programs in <cache dir>/xla across runs
     # (a process-wide JAX setting: once on, it stays on for every engine in the process)
@@ -95,6 +102,23 @@ class EngineConfig:
                             max_pages_per_seq=-(-self.max_model_len // self.page_size),
                             max_logprobs=self.max_logprobs)
 
+    def unit_shape(self) -> UnitShape:
+        """The shapes of a pipeline call: S decode lanes of ceil(max_num_seqs / S) rows, prefill
+        units as wide as `prefill_chunk`, and room for `pipeline_rounds` rounds."""
+        mesh = self.mesh_config
+        stages = mesh.stage
+        return UnitShape(num_stages=stages, num_replicas=mesh.data,
+                         num_units=self.pipeline_rounds * self.units_per_round(),
+                         decode_rows=-(-self.max_num_seqs // stages),
+                         prefill_tokens=self.prefill_chunk,
+                         max_pages=-(-self.max_model_len // self.page_size))
+
+    def units_per_round(self) -> int:
+        """The most units one round can take: a prefill unit per row, the lanes, a drain and
+        the idle units the feedback rule may put in."""
+        stages = self.mesh_config.stage
+        return self.max_num_seqs + stages + 2 * (stages - 1)
+
     def scheduler_config(self, eos_token_ids: Sequence[int], *,
                          num_replicas: int = 1) -> SchedulerConfig:
         return SchedulerConfig(
@@ -130,10 +154,13 @@ class Engine:
         """
         self.config = config = config.for_model(model.config)
         self.tokenizer = tokenizer
+        self.is_pipelined = config.mesh_config.stage > 1
         if runner is None:
             prepared = prepare(model, config.mesh_config)
             model = prepared.model
-            runner = ModelRunner(model, config.runner_config(), prepared.layout)
+            runner = (PipelineRunner(model, config.runner_config(), prepared.layout,
+                                     config.unit_shape()) if self.is_pipelined
+                      else ModelRunner(model, config.runner_config(), prepared.layout))
         elif runner.config != config.runner_config() or runner.model_config != model.config:
             raise ValueError("a shared runner must have this engine's model and runner config")
         self.model, self.model_config, self.runner = model, model.config, runner
@@ -149,9 +176,13 @@ class Engine:
             self.warmup()
 
     def warmup(self, *, progress: bool = True) -> None:
-        shapes = self.runner.warmup_shapes(max_batched_tokens=self.config.max_num_batched_tokens)
         with CompileCounter() as compiles:
-            self.runner.warmup(shapes, progress=progress)
+            if self.is_pipelined:  # one program runs every schedule
+                self.runner.execute(build_schedule([], self.runner.shape))
+            else:
+                shapes = self.runner.warmup_shapes(
+                    max_batched_tokens=self.config.max_num_batched_tokens)
+                self.runner.warmup(shapes, progress=progress)
         self.stats.warmup_compiles += compiles.count
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
@@ -170,7 +201,10 @@ class Engine:
         return request_id
 
     def step(self) -> list[RequestOutput]:
-        """Runs one step; returns an output for every request that advanced or finished."""
+        """Runs one step (one pipeline call, of up to `pipeline_rounds` steps, when the mesh has
+        stages); returns an output for every request that advanced or finished."""
+        if self.is_pipelined:
+            return self._pipeline_step()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
@@ -224,6 +258,9 @@ class Engine:
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs="
                              f"{self.config.max_logprobs}")
+        if params.prompt_logprobs is not None and self.is_pipelined:
+            raise ValueError("prompt_logprobs are not available with pipeline parallelism "
+                             "(stage > 1) yet; drop prompt_logprobs or use stage=1")
         if params.prompt_logprobs is not None and params.prompt_logprobs > self.config.max_logprobs:
             raise ValueError(f"prompt_logprobs={params.prompt_logprobs} exceeds max_logprobs="
                              f"{self.config.max_logprobs}")
@@ -236,6 +273,73 @@ class Engine:
                        prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
 
     # -- outputs --------------------------------------------------------------------------------
+
+    # -- pipeline parallelism -------------------------------------------------------------------
+
+    def _pipeline_step(self) -> list[RequestOutput]:
+        """Plans up to `pipeline_rounds` steps ahead, runs them as one pipeline call, then puts
+        the sampled tokens where the plans left placeholders (`_resolve`).
+
+        The scheduler plans round k + 1 before round k's tokens exist: its outputs are
+        PLACEHOLDERs, which the device fills by feedback. Planning stops early after a
+        preemption (a recomputed prompt must not contain placeholders), and after any round
+        with a penalty (penalties read every earlier token).
+        """
+        plans, shape = [], self.runner.shape
+        while len(plans) < self.config.pipeline_rounds:
+            preemptions = self.scheduler.num_preemptions
+            plan = self.scheduler.schedule()
+            if plan.is_empty:
+                break
+            plans.append(plan)
+            self.scheduler.update(plan, [np.full(b.num_rows, PLACEHOLDER, np.int32)
+                                         for b in plan.sub_batches])
+            laid_out = build_schedule(plans, shape, bubble_filling=self.config.bubble_filling)
+            if (self.scheduler.num_preemptions != preemptions or _has_penalty(plan)
+                    or laid_out.num_units + self.config.units_per_round() > shape.num_units):
+                break
+        if not plans:
+            return []
+        schedule = build_schedule(plans, shape, bubble_filling=self.config.bubble_filling)
+        started = time.perf_counter()
+        with CompileCounter() as compiles:
+            results = self.runner.execute(schedule)
+        self.stats.record_pipeline(schedule, time.perf_counter() - started, compiles.count)
+        self.stats.device_wait_seconds += self.runner.last_wait_seconds
+        return self._resolve(plans, results)
+
+    def _resolve(self, plans: Sequence[StepPlan], results) -> list[RequestOutput]:
+        """Fills each placeholder output with its sampled token, round by round; a token that
+        stops its request (EOS, a stop id) cuts off what the later rounds generated."""
+        touched: dict[str, _Stream] = {}
+        eos = self.scheduler.config.eos_token_ids
+        for plan, batches in zip(plans, results):
+            for ids, rows, samples, batch, sampling in zip(
+                    plan.row_requests, batches, plan.row_samples, plan.sub_batches, plan.sampling):
+                for r, request_id in enumerate(ids):
+                    stream = self._streams.get(request_id)
+                    if stream is None or batch.num_new[r] == 0 or not samples[r]:
+                        continue
+                    request, index = stream.request, int(sampling.steps[r])
+                    if index >= len(request.output_token_ids):
+                        continue  # generated after a stop: discarded
+                    request.output_token_ids[index] = int(rows.tokens[r])
+                    self._record_token(stream, rows, r)
+                    touched.setdefault(request_id, stream)
+                    stop = stop_status_at(request, index, eos)
+                    if stop is not None:
+                        self._cut(request, index, *stop)
+        return [self._output(stream) for stream in touched.values()]
+
+    def _cut(self, request: Request, index: int, status: RequestStatus,
+             stop_reason: int | str | None) -> None:
+        """Ends `request` at output `index`, dropping the outputs generated past it."""
+        del request.output_token_ids[index + 1:]
+        if self.scheduler.get(request.request_id) is not None:
+            self.scheduler.finish(request.request_id, status, stop_reason=stop_reason)
+        else:  # it ended on length later in the call; the stop came first
+            request.status, request.finish_reason = status, status.finish_reason
+            request.stop_reason = stop_reason
 
     def _update(self, plan: StepPlan, results: list[SampledRows]) -> list[RequestOutput]:
         for ids, rows, samples, batch in zip(plan.row_requests, results, plan.row_samples,
@@ -303,15 +407,29 @@ class Engine:
             finished=request.is_finished, metrics=stream.metrics)
 
     def _advance_text(self, stream: _Stream) -> None:
-        """Decodes new tokens, cuts at a stop string, and moves the safe-to-show mark."""
+        """Decodes new tokens, cuts at a stop string, and moves the safe-to-show mark.
+
+        Tokens are decoded one at a time, so that when one call brought several (pipeline
+        rounds), a stop string ends the request at the token that completed it.
+        """
         request = stream.request
         if stream.decoder is None:
             return
-        for token in request.output_token_ids[len(stream.decoder.token_ids):]:
+        stop = None
+        new = request.output_token_ids[len(stream.decoder.token_ids):]
+        for count, token in enumerate(new, start=1):
             stream.text += stream.decoder.add(token)
-        if request.is_finished:
-            stream.text += stream.decoder.flush()
-        stop = _find_stop(stream.text, request.params.stop, stream.emitted)
+            if count < len(new) and (stop := _find_stop(stream.text, request.params.stop,
+                                                         stream.emitted)) is not None:
+                kept = len(request.output_token_ids) - len(new) + count
+                del request.output_token_ids[kept:]
+                if stream.logprobs is not None:
+                    del stream.logprobs[kept:]
+                break
+        if stop is None:
+            if request.is_finished:
+                stream.text += stream.decoder.flush()
+            stop = _find_stop(stream.text, request.params.stop, stream.emitted)
         if stop is not None:
             self._finish_on_stop_string(request, stop[1])
             stream.text = stream.text[:stop[0]]
@@ -341,6 +459,8 @@ class EngineStats:
     prefill_slots: int = 0  # padded token slots computed for prefill
     decode_tokens: int = 0
     decode_slots: int = 0
+    stage_busy_slots: int = 0  # pipeline (tick, stage, replica) slots that ran a real row
+    stage_slots: int = 0  # all pipeline slots, idle ones included
 
     def record_step(self, plan: StepPlan, runner: ModelRunner, seconds: float,
                     compiles: int) -> None:
@@ -357,6 +477,26 @@ class EngineStats:
                 self.prefill_tokens += batch.num_tokens
                 self.prefill_slots += rows * tokens
 
+    def record_pipeline(self, schedule: PipelineSchedule, seconds: float, compiles: int) -> None:
+        """A pipeline call: its rounds count as steps; its units' slots as padding."""
+        shape = schedule.shape
+        self.num_steps += len(schedule.plans)
+        self.step_seconds += seconds
+        self.compiles_after_warmup += compiles
+        busy_decode = np.count_nonzero(schedule.decode_num_new.sum(axis=2))
+        busy_prefill = np.count_nonzero(schedule.prefill_num_new)
+        self.decode_tokens += int(schedule.decode_num_new.sum())
+        self.decode_slots += int(busy_decode) * shape.decode_rows
+        self.prefill_tokens += int(schedule.prefill_num_new.sum())
+        self.prefill_slots += int(busy_prefill) * shape.prefill_tokens
+        self.stage_busy_slots += schedule.num_busy * shape.num_stages
+        self.stage_slots += schedule.num_ticks * shape.num_stages * shape.num_replicas
+
+    @property
+    def stage_utilisation(self) -> float:
+        """Busy pipeline stage-slots / all stage-slots; 1.0 without pipeline stages."""
+        return self.stage_busy_slots / self.stage_slots if self.stage_slots else 1.0
+
     @property
     def prefill_padding(self) -> float:
         return 1 - self.prefill_tokens / self.prefill_slots if self.prefill_slots else 0.0
@@ -364,6 +504,11 @@ class EngineStats:
     @property
     def decode_padding(self) -> float:
         return 1 - self.decode_tokens / self.decode_slots if self.decode_slots else 0.0
+
+
+def _has_penalty(plan: StepPlan) -> bool:
+    return any(np.any(s.repetition_penalty != 1) or np.any(s.presence_penalty != 0)
+               or np.any(s.frequency_penalty != 0) for s in plan.sampling)
 
 
 def _find_stop(text: str, stops: Sequence[str], start: int) -> tuple[int, str] | None:

@@ -22,10 +22,10 @@ Gauges, as of the last `observe_step`:
     meshserve:prefill_padding_ratio         padded prefill token slots / all prefill token slots
                                             computed, over the engine's life
     meshserve:decode_padding_ratio          the same for decode rows
-    meshserve:stage_utilisation             busy pipeline stage-slots / all stage-slots. The mesh
-                                            has one stage (stage > 1 is refused), and every step
-                                            that runs occupies it, so this is 1.0 once a step has
-                                            run (0 before).
+    meshserve:stage_utilisation             busy pipeline stage-slots / all stage-slots, over the
+                                            engine's life, from the schedules it ran
+                                            (`EngineStats.stage_utilisation`); 1.0 on a mesh of
+                                            one stage once a step has run (0 before).
 
 Counters:
     meshserve:num_preemptions_total         requests sent back to the queue for want of KV pages
@@ -150,7 +150,7 @@ class ServerMetrics:
         stats, scheduler = engine.stats, engine.scheduler
         if stats.num_steps > self._num_steps:
             self.step_duration.observe(seconds)
-            self.stage_utilisation.set(1.0)
+            self.stage_utilisation.set(stats.stage_utilisation)
         self._num_steps = stats.num_steps
         self._num_preemptions = _add_growth(self.num_preemptions, self._num_preemptions,
                                             scheduler.num_preemptions)

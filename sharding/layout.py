@@ -1,7 +1,8 @@
 """From a mesh and the rules table to the `DeviceLayout` that the model runner applies.
 
 `prepare(model, mesh_config)` is the one entry point the engine uses: it checks the mesh against
-the model, pads heads when `model` does not divide them, builds the mesh, and derives every
+the model, pads heads when `model` does not divide them and layers when `stage` does not, builds
+the mesh, and derives every
 sharding (weights, KV pages, per-row step arrays, activations) from the weights' logical axes and
 `DEFAULT_RULES`.
 """
@@ -19,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from meshserve.model.runner import DeviceLayout
 from meshserve.sharding.mesh import MeshConfig
 from meshserve.sharding.padding import pad_heads
+from meshserve.sharding.stages import pad_layers
 from meshserve.sharding.rules import DEFAULT_RULES, KV_CACHE_AXES, ROW_AXIS, ShardingRules
 
 
@@ -34,7 +36,7 @@ def prepare(model: nnx.Module, mesh_config: MeshConfig | str | None = None, *,
             devices: Sequence[jax.Device] | None = None) -> Prepared:
     mesh_config = MeshConfig.coerce(mesh_config)
     mesh_config.check_model(model.config)
-    model = pad_heads(model, mesh_config.model)
+    model = pad_layers(pad_heads(model, mesh_config.model), mesh_config.stage)
     mesh = mesh_config.make_mesh(devices)
     layout = device_layout(model, mesh, rules)
     _, state = nnx.split(model)

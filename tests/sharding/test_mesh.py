@@ -122,11 +122,11 @@ def test_too_many_devices_for_the_visible_ones():
         MeshConfig.parse("data=2,model=8").make_mesh()
 
 
-def test_stage_above_one_is_not_supported_yet():
-    config = ModelConfig.preset("tiny-llama")
-    with pytest.raises(ValueError, match=r"stage > 1 \(pipeline parallelism\) is not supported"):
-        MeshConfig(stage=2).check_model(config)
-    MeshConfig(stage=1, model=2).check_model(config)
+def test_stages_need_as_many_layers():
+    config = ModelConfig.preset("tiny-llama")  # 2 layers
+    with pytest.raises(ValueError, match="has 2 layers, fewer than its 3 pipeline stages"):
+        MeshConfig(stage=3).check_model(config)
+    MeshConfig(stage=2, model=2).check_model(config)
 
 
 @pytest.mark.parametrize("model_size", [3, 8])
@@ -152,8 +152,8 @@ def test_prepare_checks_the_mesh_before_building_anything():
     model = abstract_model(ModelConfig.preset("tiny-gpt2"))
     with pytest.raises(ValueError, match="do not divide over model=3"):
         prepare(model, "model=3")
-    with pytest.raises(ValueError, match="stage > 1"):
-        prepare(model, "stage=2")
+    with pytest.raises(ValueError, match="fewer than its 4 pipeline stages"):
+        prepare(model, "stage=4")
     with pytest.raises(ValueError, match="needs 16 devices"):
         prepare(model, "data=4,model=4")
 

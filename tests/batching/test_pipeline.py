@@ -1,0 +1,221 @@
+"""The pipeline schedule, driven by the real scheduler and checked by a fake pipeline.
+
+`FakePipeline` runs a schedule's units in order with the fake KV cache of `tests.batching.fake`
+(the arithmetic next-token rule over each row's whole context). A decode row whose input is a
+placeholder reads the token its source unit sampled, and the fake asserts the source is at least
+S units older (it has left the last stage). With placeholders resolved after each call, every
+request must produce exactly what the rule gives it alone: that checks the layout, the feedback
+sources, the slot mapping and the host's planning ahead in one go.
+"""
+
+import numpy as np
+import pytest
+
+from meshserve.batching.pipeline import (DECODE, IDLE, PLACEHOLDER, PREFILL, RowRef, UnitShape,
+                                         build_schedule)
+from meshserve.batching.scheduler import Scheduler, SchedulerConfig
+from tests.batching.fake import EMPTY, make_request, next_token, random_requests, reference_outputs
+
+
+class FakePipeline:
+    def __init__(self, *, num_pages: int, page_size: int, num_replicas: int = 1):
+        self.page_size = page_size
+        self.kv = np.full((num_replicas, num_pages, page_size), EMPTY, np.int64)
+
+    def run(self, s) -> np.ndarray:
+        """Tokens sampled per slot [D, U, R] (a prefill unit's row is slot 0)."""
+        D, U, R = s.decode_tokens.shape
+        stages = s.shape.num_stages
+        out = np.zeros((D, U, R), np.int64)
+        for u in range(s.num_units):
+            for d in range(D):
+                if s.kinds[u] == PREFILL and s.prefill_num_new[d, u]:
+                    n = s.prefill_num_new[d, u]
+                    out[d, u, 0] = self._row(d, s.prefill_tokens[d, u, :n],
+                                             s.prefill_positions[d, u, :n], s.prefill_pages[d, u],
+                                             s.prefill_kv_lens[d, u])
+                if s.kinds[u] != DECODE:
+                    continue
+                for r in range(R):
+                    if not s.decode_num_new[d, u, r]:
+                        continue
+                    token = s.decode_tokens[d, u, r]
+                    source = s.decode_source[d, u, r]
+                    if source >= 0:
+                        assert token == PLACEHOLDER
+                        assert source // R + stages <= u, "a fed-back token read too early"
+                        token = out[d, source // R, source % R]
+                    assert token != PLACEHOLDER, "a placeholder without a source"
+                    out[d, u, r] = self._row(d, [token], [s.decode_positions[d, u, r]],
+                                             s.decode_pages[d, u, r], s.decode_kv_lens[d, u, r])
+        return out
+
+    def _row(self, d, tokens, positions, pages, kv_len) -> int:
+        kv = self.kv[d]
+        for token, position in zip(tokens, positions):
+            kv[pages[position // self.page_size], position % self.page_size] = token
+        context = [int(kv[pages[p // self.page_size], p % self.page_size]) for p in range(kv_len)]
+        assert EMPTY not in context and 0 not in [pages[p // self.page_size]
+                                                  for p in range(kv_len)]
+        return next_token(context)
+
+
+def _shape(config: SchedulerConfig, stages: int, rounds: int) -> UnitShape:
+    per_round = config.max_num_seqs + 3 * stages
+    return UnitShape(num_stages=stages, num_units=rounds * per_round,
+                     decode_rows=-(-config.max_num_seqs // stages),
+                     prefill_tokens=config.prefill_chunk,
+                     max_pages=-(-config.max_model_len // config.page_size),
+                     num_replicas=config.num_replicas)
+
+
+def _drive(scheduler: Scheduler, requests, *, stages: int, rounds: int, fill: bool):
+    """Serves `requests` in pipeline calls of up to `rounds` rounds; returns the schedules."""
+    for r in requests:
+        scheduler.add(r)
+    c = scheduler.config
+    shape = _shape(c, stages, rounds)
+    fake = FakePipeline(num_pages=c.num_pages, page_size=c.page_size,
+                        num_replicas=c.num_replicas)
+    schedules = []
+    while scheduler.has_unfinished():
+        plans = []
+        while len(plans) < rounds:
+            preemptions = scheduler.num_preemptions
+            plan = scheduler.schedule()
+            if plan.is_empty:
+                break
+            plans.append(plan)
+            scheduler.update(plan, [np.full(b.num_rows, PLACEHOLDER) for b in plan.sub_batches])
+            if scheduler.num_preemptions != preemptions:
+                break
+        schedule = build_schedule(plans, shape, bubble_filling=fill)
+        tokens = fake.run(schedule)
+        by_id = {r.request_id: r for r in requests}
+        for ref, slot in schedule.slots.items():
+            plan = plans[ref.round]
+            if plan.row_samples[ref.sub_batch][ref.row]:
+                request = by_id[plan.row_requests[ref.sub_batch][ref.row]]
+                step = plan.sampling[ref.sub_batch].steps[ref.row]
+                request.output_token_ids[step] = int(tokens[slot])
+        for allocator in scheduler.allocators:
+            allocator.check()
+        schedules.append(schedule)
+    return schedules
+
+
+def _config(**overrides) -> SchedulerConfig:
+    values = dict(num_pages=96, page_size=4, max_num_seqs=6, max_num_batched_tokens=32,
+                  prefill_chunk=16, max_model_len=96)
+    return SchedulerConfig(**(values | overrides))
+
+
+@pytest.mark.parametrize("stages,rounds,fill", [(2, 4, True), (3, 3, True), (4, 5, True),
+                                                (2, 4, False), (4, 1, False), (3, 6, True)])
+@pytest.mark.parametrize("seed", range(3))
+def test_every_request_gets_what_it_gets_alone(stages, rounds, fill, seed):
+    requests = random_requests(np.random.default_rng(seed), 14, max_prompt=40, max_output=12)
+    _drive(Scheduler(_config()), requests, stages=stages, rounds=rounds, fill=fill)
+    for r in requests:
+        assert r.output_token_ids == reference_outputs(r.prompt_token_ids, r.params.max_tokens)
+
+
+def test_outputs_survive_preemption_inside_a_call():
+    requests = random_requests(np.random.default_rng(7), 12, max_prompt=20, max_output=24)
+    scheduler = Scheduler(_config(num_pages=20))
+    _drive(scheduler, requests, stages=2, rounds=4, fill=True)
+    assert scheduler.num_preemptions > 0
+    for r in requests:
+        assert r.output_token_ids == reference_outputs(r.prompt_token_ids, r.params.max_tokens)
+
+
+def test_data_parallel_replicas_share_the_unit_kinds():
+    requests = random_requests(np.random.default_rng(3), 16, max_prompt=30, max_output=10)
+    schedules = _drive(Scheduler(_config(num_replicas=2)), requests, stages=2, rounds=3,
+                       fill=True)
+    for r in requests:
+        assert r.output_token_ids == reference_outputs(r.prompt_token_ids, r.params.max_tokens)
+    both = 0
+    for s in schedules:
+        for u in range(s.num_units):
+            busy = [bool(s.decode_num_new[d, u].any() or s.prefill_num_new[d, u])
+                    for d in range(2)]
+            assert s.kinds[u] != IDLE or not any(busy)  # one kind for both replicas
+            both += all(busy)
+    assert both > 0
+
+
+def test_every_plan_row_has_one_slot_and_lanes_are_kept_within_a_call():
+    requests = random_requests(np.random.default_rng(5), 10, max_prompt=30, max_output=12)
+    for s in _drive(Scheduler(_config()), requests, stages=3, rounds=4, fill=True):
+        refs = {RowRef(k, i, j) for k, plan in enumerate(s.plans)
+                for i, batch in enumerate(plan.sub_batches) for j in range(batch.num_rows)
+                if batch.num_new[j]}
+        assert set(s.slots) == refs
+        assert len(set(s.slots.values())) == len(refs)
+        lanes = {}
+        for ref, (_, u, _) in s.slots.items():
+            plan = s.plans[ref.round]
+            if s.kinds[u] == DECODE:
+                lanes.setdefault(plan.row_requests[ref.sub_batch][ref.row], []).append(u)
+        for units in lanes.values():  # a request's decode units are a lane's: S apart at least
+            assert all(b - a >= s.shape.num_stages for a, b in zip(units, units[1:]))
+
+
+def test_plain_fill_drain_keeps_the_stages_busy_m_over_m_plus_s_minus_1():
+    # 8 requests decoding on 4 stages: 4 lanes of 2 rows, every lane busy in every round.
+    stages, rounds = 4, 3
+    requests = [make_request(f"r{i}", 4, first=i, max_tokens=30, ignore_eos=True)
+                for i in range(8)]
+    scheduler = Scheduler(_config(max_num_seqs=8, max_num_batched_tokens=64))
+    for r in requests:
+        scheduler.add(r)
+    plans = []
+    for _ in range(2):  # the prompts, and a first decode, run before: their tokens are known
+        plan = scheduler.schedule()
+        scheduler.update(plan, [np.full(b.num_rows, 5) for b in plan.sub_batches])
+    for _ in range(rounds):
+        plan = scheduler.schedule()
+        assert all(b.tokens.shape[1] == 1 for b in plan.sub_batches)
+        plans.append(plan)
+        scheduler.update(plan, [np.full(b.num_rows, PLACEHOLDER) for b in plan.sub_batches])
+    shape = _shape(scheduler.config, stages, rounds)
+    # The first round's tokens came from the host: no feedback needed, like any decode round.
+    plain = build_schedule(plans[:1], shape, bubble_filling=False)
+    assert plain.stage_utilisation == pytest.approx(4 / (4 + stages - 1))
+    assert build_schedule(plans, shape, bubble_filling=False).stage_utilisation == (
+        pytest.approx(4 / (4 + stages - 1)))
+    filled = build_schedule(plans, shape, bubble_filling=True)
+    assert filled.num_units == 4 * rounds
+    assert filled.stage_utilisation == pytest.approx(12 / (12 + stages - 1))
+
+
+def test_idle_lanes_are_filled_with_prefill_chunks():
+    # Two requests decode on 4 stages while new prompts arrive: without filling, the two empty
+    # lanes of every round idle; with it, prefill chunks take their ticks.
+    def utilisation(fill: bool) -> float:
+        scheduler = Scheduler(_config(max_num_seqs=8, max_num_batched_tokens=40))
+        rng = np.random.default_rng(11)
+        first = [make_request(f"d{i}", 3, first=i, max_tokens=40, ignore_eos=True)
+                 for i in range(2)]
+        later = random_requests(rng, 10, max_prompt=40, max_output=8)
+        schedules = _drive(scheduler, first + later, stages=4, rounds=4, fill=fill)
+        busy = sum(s.num_busy for s in schedules)
+        return busy / sum(s.num_ticks for s in schedules)
+
+    plain, filled = utilisation(False), utilisation(True)
+    assert filled > plain + 0.15, (plain, filled)
+
+
+def test_a_call_that_does_not_fit_is_refused():
+    scheduler = Scheduler(_config())
+    for i in range(6):
+        scheduler.add(make_request(f"r{i}", 16, max_tokens=5))
+    plan = scheduler.schedule()
+    shape = UnitShape(num_stages=2, num_units=1, decode_rows=3, prefill_tokens=16, max_pages=24)
+    with pytest.raises(ValueError, match="need 2 pipeline units; the call holds 1"):
+        build_schedule([plan], shape)
+    narrow = UnitShape(num_stages=2, num_units=40, decode_rows=3, prefill_tokens=8,
+                       max_pages=24)
+    with pytest.raises(ValueError, match="exceeds the pipeline's 8-token units"):
+        build_schedule([plan], narrow)

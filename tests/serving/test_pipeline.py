@@ -1,0 +1,220 @@
+"""Pipeline parallelism through the real engine on fake CPU devices: the same tokens as one
+device on every (data, stage, model) mesh, the compiled call's collectives, stage utilisation with
+and without bubble filling, and the engine's invariants (pages, stops, aborts)."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from meshserve.batching.pipeline import build_schedule
+from meshserve.batching.sampling import SamplingParams
+from meshserve.model.config import ModelConfig
+from meshserve.model.transformer import model_from_params
+from meshserve.serving.engine import Engine, EngineConfig
+from meshserve.serving.metrics import ServerMetrics
+from meshserve.sharding.stages import pad_layers, stage_layout
+from tests.conftest import random_params
+from tests.serving.test_meshes import ENGINE, PROMPTS, _assert_same, _run
+from tests.sharding.compiled import Hlo
+
+SMOLLM2_MESHES = ["stage=2", "stage=3", "stage=4", "stage=2,model=3"]
+
+
+def _model(preset: str = "tiny-llama", **overrides):
+    config = ModelConfig.preset(preset, **overrides)
+    return model_from_params(config, random_params(config))
+
+
+def _requests(vocab_size: int, count: int = 8, seed: int = 0) -> list:
+    rng = np.random.default_rng(seed)
+    requests = []
+    for i in range(count):
+        prompt = rng.integers(2, vocab_size, size=int(rng.integers(3, 60))).tolist()
+        params = SamplingParams(temperature=0.8 if i % 3 == 0 else 0, seed=i, max_tokens=3 + i,
+                                ignore_eos=True, logprobs=5)
+        requests.append((prompt, params))
+    return requests
+
+
+def _reference(model, requests):
+    return _run(Engine(model, None, EngineConfig(**ENGINE)), requests)
+
+
+@pytest.mark.parametrize("preset,layers,mesh", [
+    ("tiny-llama", 2, "stage=2"),
+    ("tiny-llama", 4, "stage=3"),  # 2, 1, 1 layers: one identity layer on each of two stages
+    ("tiny-llama", 6, "stage=4"),  # 2, 2, 1, 1
+    ("tiny-llama", 2, "stage=2,model=3"),  # kv heads padded 2 -> 3 as well
+    ("tiny-llama", 4, "data=2,stage=2,model=2"),
+    ("tiny-llama", 9, "stage=8"),  # 2, 1, ... 1
+    ("tiny-gpt2", 2, "stage=2,model=2"),
+])
+def test_tokens_equal_one_device(preset, layers, mesh):
+    model = _model(preset, num_layers=layers)
+    requests = _requests(model.config.vocab_size)
+    engine = Engine(model, None, EngineConfig(mesh=mesh, **ENGINE))
+    _assert_same(_run(engine, requests), _reference(model, requests))
+    assert engine.stats.compiles_after_warmup <= 1  # the one pipeline program (no warm-up here)
+
+
+@pytest.mark.parametrize("rounds,filling", [(1, True), (3, False), (6, True)])
+def test_any_number_of_rounds_with_or_without_filling_gives_the_same_tokens(rounds, filling):
+    model = _model(num_layers=3)
+    requests = _requests(model.config.vocab_size, count=10, seed=1)
+    engine = Engine(model, None, EngineConfig(mesh="stage=3", pipeline_rounds=rounds,
+                                              bubble_filling=filling, **ENGINE))
+    _assert_same(_run(engine, requests), _reference(model, requests))
+
+
+def test_penalties_and_stop_ids_end_where_one_device_ends():
+    model = _model(num_layers=2)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(2, 512, size=n).tolist() for n in (7, 30, 12, 3)]
+    greedy = _reference(model, [(p, SamplingParams(max_tokens=12, temperature=0,
+                                                   ignore_eos=True)) for p in prompts])
+    requests = [
+        (prompts[0], SamplingParams(max_tokens=12, temperature=0, logprobs=5,
+                                    stop_token_ids=[greedy[0].token_ids[4]])),
+        (prompts[1], SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.3,
+                                    frequency_penalty=0.4, ignore_eos=True, logprobs=5)),
+        (prompts[2], SamplingParams(max_tokens=12, temperature=0, min_tokens=6, logprobs=5,
+                                    stop_token_ids=[greedy[2].token_ids[1]])),
+        (prompts[3], SamplingParams(max_tokens=12, temperature=0.9, seed=5, ignore_eos=True,
+                                    logprobs=5)),
+    ]
+    want = _reference(model, requests)
+    engine = Engine(model, None, EngineConfig(mesh="stage=2", pipeline_rounds=5, **ENGINE))
+    got = _run(engine, requests)
+    _assert_same(got, want)
+    assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
+    assert got[0].finish_reason == "stop" and len(got[0].token_ids) <= 5
+    assert all(a.num_used == 0 for a in engine.scheduler.allocators)
+
+
+def test_preemption_and_aborts_keep_the_page_invariant():
+    model = _model(num_layers=4)
+    requests = _requests(model.config.vocab_size, count=12, seed=2)
+    small = ENGINE | dict(num_pages=14)
+    want = _reference(model, requests)
+    engine = Engine(model, None, EngineConfig(mesh="stage=2", **small))
+    got = _run(engine, requests)  # checks every allocator after every step
+    _assert_same(got, want)
+    assert engine.scheduler.num_preemptions > 0
+    ids = [engine.add_request(p, s) for p, s in requests[:4]]
+    engine.step()
+    for request_id in ids:
+        engine.abort(request_id)
+    assert not engine.has_unfinished()
+    assert all(a.num_used == 0 for a in engine.scheduler.allocators)
+
+
+def test_prompt_logprobs_are_refused_with_a_clear_message():
+    engine = Engine(_model(), None, EngineConfig(mesh="stage=2", **ENGINE))
+    with pytest.raises(ValueError, match="prompt_logprobs are not available with pipeline"):
+        engine.add_request([1, 2, 3], SamplingParams(prompt_logprobs=2))
+
+
+def test_bubble_filling_beats_the_plain_fill_drain_schedule():
+    """Mixed arrivals: a few long decodes, then prompts arriving while they run. The stage
+    utilisation measured from the schedules the engine ran is higher with filling."""
+    model = _model(num_layers=4)
+
+    def utilisation(filling: bool) -> float:
+        engine = Engine(model, None, EngineConfig(mesh="stage=4", bubble_filling=filling,
+                                                  **ENGINE))
+        rng = np.random.default_rng(9)
+        for i in range(2):
+            engine.add_request(rng.integers(2, 512, size=6).tolist(),
+                               SamplingParams(max_tokens=30, ignore_eos=True))
+        arrivals = [rng.integers(2, 512, size=int(rng.integers(10, 40))).tolist()
+                    for _ in range(6)]
+        while engine.has_unfinished():
+            engine.step()
+            if arrivals:
+                engine.add_request(arrivals.pop(), SamplingParams(max_tokens=6, ignore_eos=True))
+        return engine.stats.stage_utilisation
+
+    plain, filled = utilisation(False), utilisation(True)
+    assert 0 < plain < filled <= 1
+    assert filled > plain + 0.1, (plain, filled)
+
+
+def test_stage_utilisation_is_exported():
+    engine = Engine(_model(num_layers=2), None, EngineConfig(mesh="stage=2", **ENGINE))
+    metrics = ServerMetrics("tiny")
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+        metrics.observe_step(engine, 0.01)
+    # One request in one lane: a unit a round, the rounds fed back S = 2 units apart.
+    value = metrics.registry.get_sample_value("meshserve:stage_utilisation",
+                                              {"model_name": "tiny"})
+    assert value == engine.stats.stage_utilisation
+    assert 0.2 < value < 0.75
+
+
+def test_the_compiled_call_permutes_per_tick_and_gathers_no_weight():
+    model = _model(num_layers=4)
+    engine = Engine(model, None, EngineConfig(mesh="stage=2,model=2", **ENGINE))
+    runner = engine.runner
+    schedule = build_schedule([], runner.shape)
+    units = jax.device_put(runner.host_units(schedule), runner._units_sharding)
+    kinds, ticks = jax.device_put((schedule.kinds, np.int32(1)), runner._replicated)
+    hlo = Hlo.parse(runner._call.lower(runner.params, runner.cache, kinds, units, ticks)
+                    .compile().as_text())
+    ticks_loop = [op for op in hlo.ops("while")
+                  if "collective-permute" in " ".join(o.opcode for c in hlo.body(op)
+                                                      for o in hlo.computations[c])]
+    assert len(ticks_loop) == 1  # the tick loop
+    body = hlo.body(ticks_loop[0])
+    permutes = hlo.ops("collective-permute", body)
+    # The activations to the next stage, and the last stage's tokens back to stage 0, each
+    # between the same (data, model) position of two stages. Devices are numbered in mesh order.
+    index = np.arange(runner.layout.mesh.devices.size).reshape(runner.layout.mesh.devices.shape)
+    forward = {(int(a), int(b)) for a, b in zip(index[:, 0].flat, index[:, 1].flat)}
+    back = {(int(b), int(a)) for a, b in zip(index[:, 0].flat, index[:, 1].flat)}
+    pairs = [re.search(r"source_target_pairs=\{(.*?\})\}", op.text).group(1) for op in permutes]
+    found = [{tuple(map(int, pair)) for pair in re.findall(r"\{(\d+),(\d+)\}", text)}
+             for text in pairs]
+    assert sorted(found, key=sorted) == sorted([forward, back], key=sorted)
+    assert hlo.ops("collective-permute", set(hlo.computations) - body) == []
+    weights = {tuple(a.shape) for a in jax.tree.leaves(runner.params)}
+    weights |= {tuple(s.data.shape) for a in jax.tree.leaves(runner.params)
+                for s in a.addressable_shards}
+    for op in hlo.ops("all-gather"):
+        for _, dims in op.shapes:
+            assert dims not in weights, f"a weight is gathered: {op.text[:160]}"
+
+
+def test_layers_are_split_contiguously_and_padding_layers_are_exact():
+    layout = stage_layout(30, 4)
+    assert layout.real_layers == (8, 8, 7, 7) and layout.num_padded_layers == 32
+    assert [layout.padded_index(i) for i in (0, 7, 8, 15, 16, 22, 23, 29)] == [
+        0, 7, 8, 15, 16, 22, 24, 30]
+    with pytest.raises(ValueError, match="3 pipeline stages need at least as many layers"):
+        stage_layout(2, 3)
+    model = _model(num_layers=5)
+    padded = pad_layers(model, 3)  # 2, 2, 1 -> 6 layers
+    assert padded.config.num_layers == 6
+    q = np.asarray(padded.layers.attn.q.kernel[...])
+    assert not q[5].any() and q[4].any()  # stage 2's second layer is the identity
+    requests = _requests(512, count=4, seed=3)
+    _assert_same(_reference(padded, requests), _reference(model, requests))
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference(smollm2_pretrained):
+    requests = [(p, SamplingParams(temperature=0, max_tokens=6, logprobs=5)) for p in PROMPTS]
+    engine = Engine(smollm2_pretrained.model, smollm2_pretrained.tokenizer, EngineConfig(**ENGINE))
+    return requests, _run(engine, requests)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", SMOLLM2_MESHES)
+def test_smollm2_tokens_and_logprobs_match_one_device(smollm2_pretrained, smollm2_reference, mesh):
+    requests, want = smollm2_reference
+    engine = Engine(smollm2_pretrained.model, smollm2_pretrained.tokenizer,
+                    EngineConfig(mesh=mesh, **ENGINE))
+    _assert_same(_run(engine, requests), want)
