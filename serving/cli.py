@@ -13,6 +13,8 @@ Subcommands:
   convert    write a model (any `--model` form) as a meshserve checkpoint directory: orbax
              weights, config, tokenizer and manifest; `--model DIR` then loads it
   client     prompts to a running `serve` (`--target`), answers streamed; `--info`: GetServerInfo
+  plan       predict every (data, stage, model) mesh of a model on given hardware from a cost
+             model, and rank them against SLOs (`meshserve.serving.plan_command`)
 
 Engine options are generated from `EngineConfig`'s fields, so a knob is declared once and the CLI
 follows it.
@@ -47,6 +49,7 @@ from meshserve.serving import latency, roofline
 from meshserve.serving.client import Client, ClientError, StreamChunk
 from meshserve.serving.engine import EngineConfig
 from meshserve.serving.llm import LLM
+from meshserve.serving.plan_command import add_plan_parser, run_plan
 from meshserve.serving.server import GenerationServer, ServerConfig
 
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -115,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     convert.add_argument("--force", action="store_true", help="replace --out if it is not empty")
     _client_args(commands.add_parser("client", help="prompts to a running `meshserve serve`"))
+    add_plan_parser(commands)
     return parser
 
 
@@ -608,6 +612,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_serve(args)
         elif args.command == "convert":
             run_convert(args)
+        elif args.command == "plan":
+            return run_plan(args)
         elif args.command == "client":
             try:
                 run_client(args)
