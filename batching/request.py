@@ -19,6 +19,7 @@ import enum
 import random
 import time
 
+from meshserve.batching.prefix_cache import ROOT_HASH, page_hash
 from meshserve.batching.sampling import MAX_SEED, SamplingParams
 
 
@@ -64,6 +65,9 @@ class Request:
     num_preemptions: int = 0
     priority: int = 0  # higher is admitted first among waiting requests; ties FCFS
     replica: int = 0  # the data-parallel replica whose pages it holds (set on admission)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first admission
+    num_registered_pages: int = 0  # leading `pages` keyed in the prefix cache (or found there)
+    page_keys: list[bytes] = dataclasses.field(default_factory=list, repr=False)  # see below
     seed: int = dataclasses.field(init=False)
 
     def __post_init__(self):
@@ -95,6 +99,24 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def keys_of_pages(self, num_pages: int, page_size: int) -> list[bytes]:
+        """Prefix-cache keys of its first `num_pages` full pages (`prefix_cache.page_hash`).
+
+        Computed once and kept in `page_keys`: a request's tokens never change. Fewer keys come
+        back where a page is not full yet or holds an output the host does not know yet (a
+        pipeline placeholder, < 0).
+        """
+        tokens = None
+        while len(self.page_keys) < num_pages:
+            tokens = self.all_token_ids if tokens is None else tokens
+            start = len(self.page_keys) * page_size
+            page = tokens[start:start + page_size]
+            if len(page) < page_size or min(page) < 0:
+                break
+            parent = self.page_keys[-1] if self.page_keys else ROOT_HASH
+            self.page_keys.append(page_hash(parent, page))
+        return self.page_keys[:num_pages]
 
 
 def _random_seed() -> int:

@@ -5,7 +5,8 @@ its page table, then reads its whole context back through it, and its next token
 function of that context. A wrong page, a token never written, or a page another request wrote over
 changes the output, so "each request's output equals what the rule gives when it runs alone" checks
 the paging as well as the batching. Pages are poisoned when freed, so stale KV cannot pass for
-recomputed KV. With data-parallel replicas each replica has its own fake cache, indexed by the
+recomputed KV; cached pages (prefix cache) keep their KV, as on the device, so a wrong cache hit
+changes the output too. With data-parallel replicas each replica has its own fake cache, indexed by the
 row's replica and its local page ids, so a page id read on the wrong replica shows too. No jax
 anywhere.
 """
@@ -49,7 +50,7 @@ class FakeRunner:
 
     def poison_free_pages(self, scheduler: Scheduler) -> None:
         for replica, allocator in enumerate(scheduler.allocators):
-            free = [p for p in range(1, self.kv.shape[1]) if allocator.ref_count(p) == 0]
+            free = [p for p in range(1, self.kv.shape[1]) if allocator.is_free(p)]
             self.kv[replica, free] = EMPTY
 
     def _run_sub_batch(self, batch: SubBatchPlan) -> np.ndarray:

@@ -225,9 +225,10 @@ def test_admission_groups_prompts_of_the_head_bucket():
     assert s.config.token_buckets == (8, 16, 32, 64)
     for name, length in (("a", 32), ("b", 8), ("c", 32), ("d", 8)):
         s.add(make_request(name, length, max_tokens=1))
-    plan, _ = _step(s, _runner(s))
+    runner = _runner(s)
+    plan, _ = _step(s, runner)
     assert plan.row_requests == (("a", "c"),)
-    plan, _ = _step(s, _runner(s))
+    plan, _ = _step(s, runner)
     assert plan.row_requests == (("b", "d"),)
 
 
@@ -250,8 +251,9 @@ def test_bucketing_looks_no_further_than_the_lookahead():
 
 # Preemption.
 
-def test_preemption_picks_the_newest_running_request():
-    s = Scheduler(_config(num_pages=7, page_size=2, max_num_seqs=3, max_num_batched_tokens=16))
+def test_preemption_cost_ties_go_to_the_newest_running_request():
+    s = Scheduler(_config(num_pages=7, page_size=2, max_num_seqs=3, max_num_batched_tokens=16,
+                          kv_watermark=0))
     r0, r1, r2, r3 = (make_request(f"r{i}", 3, first=i, max_tokens=8) for i in range(4))
     for r in (r0, r1, r2, r3):
         s.add(r)
