@@ -15,6 +15,9 @@ Subcommands:
   client     prompts to a running `serve` (`--target`), answers streamed; `--info`: GetServerInfo
   plan       predict every (data, stage, model) mesh of a model on given hardware from a cost
              model, and rank them against SLOs (`meshserve.serving.plan_command`)
+  mesh-sweep measure a model and workload on each of several meshes of the devices at hand:
+             step times, serving, memory, collectives, against the planner
+             (`meshserve.serving.mesh_sweep`)
 
 Engine options are generated from `EngineConfig`'s fields, so a knob is declared once and the CLI
 follows it.
@@ -49,6 +52,7 @@ from meshserve.serving import latency, roofline
 from meshserve.serving.client import Client, ClientError, StreamChunk
 from meshserve.serving.engine import EngineConfig
 from meshserve.serving.llm import LLM
+from meshserve.serving.mesh_sweep import add_mesh_sweep_parser, run_mesh_sweep
 from meshserve.serving.plan_command import add_plan_parser, run_plan
 from meshserve.serving.server import GenerationServer, ServerConfig
 
@@ -121,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parser(commands)
     return parser
 
+    _model_args(add_mesh_sweep_parser(commands))
 
 def _bench_args(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--workload", default="chat-mix",
@@ -618,6 +623,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 run_client(args)
             except ClientError as err:
+        elif args.command == "mesh-sweep":
+            return run_mesh_sweep(args, argv, dataclass_from_args(EngineConfig, args))
                 print(f"meshserve: error: {err.code.name}: {err.message}", file=sys.stderr)
                 return 2
         else:

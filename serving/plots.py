@@ -14,7 +14,7 @@ written and, for each plot it could not draw, the reason:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import matplotlib
 
@@ -28,13 +28,22 @@ POLICIES = ("continuous", "static")
 def write_plots(results: dict[str, Any], directory: Path, stem: str) -> dict[str, Any]:
     """Writes `<stem>-<plot>.png` files into `directory`; returns {"files": [...],
     "skipped": {plot: reason}}."""
+    return save_figures((("throughput", _throughput), ("latency_cdf", _latency_cdf),
+                         ("step_time", _step_time), ("padding", _padding)),
+                        results, directory, stem)
+
+
+def save_figures(draws: Sequence[tuple[str, Callable[[Any, Any], str | None]]], data: Any,
+                 directory: Path, stem: str, *,
+                 size: tuple[float, float] = (7, 4.5)) -> dict[str, Any]:
+    """Each `draw(fig, data)` fills a figure and returns None, or the reason it could not;
+    drawn figures go to `<directory>/<stem>-<name>.png`. Returns {"files", "skipped"}."""
     directory.mkdir(parents=True, exist_ok=True)
     files, skipped = [], {}
-    for name, draw in (("throughput", _throughput), ("latency_cdf", _latency_cdf),
-                       ("step_time", _step_time), ("padding", _padding)):
-        fig = plt.figure(figsize=(7, 4.5))
+    for name, draw in draws:
+        fig = plt.figure(figsize=size)
         try:
-            reason = draw(fig, results)
+            reason = draw(fig, data)
             if reason is None:
                 path = directory / f"{stem}-{name}.png"
                 fig.tight_layout()
