@@ -281,6 +281,9 @@ PRESETS: dict[str, ModelConfig] = {
         bos_token_id=1, eos_token_ids=(2,),
     ),
     "llama-2-7b": _llama2("llama-2-7b", 4096, 11008, 32, 32, 32),
+    # Llama-2-7B's widths with 4 of its 32 layers: real layer sizes in 4.3 GB of f32, for
+    # stress runs on a CPU (the full model is 27 GB in f32).
+    "llama-2-7b-4l": _llama2("llama-2-7b-4l", 4096, 11008, 4, 32, 32),
     "llama-2-13b": _llama2("llama-2-13b", 5120, 13824, 40, 40, 40),
     "llama-2-70b": _llama2("llama-2-70b", 8192, 28672, 80, 64, 8),
     "gpt2": _gpt("gpt2", hidden=768, layers=12, heads=12, vocab=50257, positions=1024),

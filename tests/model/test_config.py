@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from meshserve.model.config import PRESETS, ModelConfig, RopeScaling
+from meshserve.model.config import PRESETS, ModelConfig, RopeScaling, weight_bytes
 from meshserve.model.loaders import expected_shapes
 from meshserve.model.transformer import abstract_model, param_paths
 
@@ -20,6 +20,12 @@ def test_required_presets_exist():
                                             ("gpt3-175b", 174.6), ("smollm2-135m", 0.1345)])
 def test_parameter_counts_match_published_sizes(name, billions):
     assert ModelConfig.preset(name).num_params / 1e9 == pytest.approx(billions, rel=2e-3)
+
+
+def test_the_llama_2_7b_stress_preset_has_its_widths_and_4_layers():
+    full, short = ModelConfig.preset("llama-2-7b"), ModelConfig.preset("llama-2-7b-4l")
+    assert short == full.replace(name="llama-2-7b-4l", num_layers=4)
+    assert weight_bytes(short) / 1e9 == pytest.approx(4.287, abs=0.001)  # f32, fits 24 GiB
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
