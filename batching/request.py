@@ -20,6 +20,7 @@ import random
 import time
 
 from meshserve.batching.prefix_cache import ROOT_HASH, page_hash
+from meshserve.batching.length import LengthFeatures, LengthPrediction
 from meshserve.batching.sampling import MAX_SEED, SamplingParams
 
 
@@ -68,6 +69,10 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first admission
     num_registered_pages: int = 0  # leading `pages` keyed in the prefix cache (or found there)
     page_keys: list[bytes] = dataclasses.field(default_factory=list, repr=False)  # see below
+    # Set by a scheduler with a length predictor, when the request is added:
+    length_features: LengthFeatures | None = dataclasses.field(default=None, repr=False)
+    predicted_length: LengthPrediction | None = None  # of its output, in tokens
+    arrival_step: int = 0  # the scheduler's step count when it was added (for aging)
     seed: int = dataclasses.field(init=False)
 
     def __post_init__(self):

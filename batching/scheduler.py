@@ -49,6 +49,20 @@ replicas each has its own cache, and placement prefers the replica with the long
 static policy never caches: it is the fixed baseline of BENCHMARKS.md, whose lockstep prefill
 computes every prompt in full.
 
+Predicted ordering (`ordering="predicted"`; "fcfs" is the default). The scheduler predicts each
+request's output length when it is added (a `LengthPredictor`: quantiles of the length, from the
+prompt and sampling params; the prior without training) and tells the predictor every finished
+request's real length. Then:
+  - waiting requests go shortest predicted first: by tokens still to compute (prompt plus
+    predicted median output), less `aging_tokens_per_step` for each step waited, so a long
+    request's turn always comes. Within a priority, preempted requests go first;
+  - admission keeps, besides the watermark, pages for every running request's growth up to the
+    `reserve_quantile` (0.9) of its predicted length, and for the new request's own, so a
+    request is rarely admitted into a shortage it will cause;
+  - static batches are formed around the first request in that order, from the requests of the
+    lookahead window whose prompt and predicted output are closest to its own, so a batch pads
+    little and ends together.
+
 Static policy (the baseline of BENCHMARKS.md): batches of up to `max_num_seqs` requests are formed
 first come, first served, reserving each request's pages for its whole prompt and `max_tokens` up
 front, so it never preempts (a batch is smaller when the cache cannot hold more). The batch prefills
@@ -77,7 +91,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import math
 import numbers
 from typing import Protocol, Sequence
@@ -85,12 +98,14 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from meshserve.batching.buckets import bucket_sizes, floor_bucket, pick_bucket, token_bucket_sizes
+from meshserve.batching.length import LengthPredictor, PriorPredictor, extract_features
 from meshserve.batching.pages import PageAllocator, num_pages_for
 from meshserve.batching.plan import SamplingArrays, StepPlan, SubBatchPlan, sub_batch_from_rows
 from meshserve.batching.request import Request, RequestStatus
 from meshserve.batching.sampling import SamplingParams
 
 POLICY_NAMES = ("continuous", "static")
+ORDERINGS = ("fcfs", "predicted")
 # Measured on the storm workload of tests/batching/test_kv_accounting.py (prompts that fill the
 # cache, requests that still grow): preemptions 116 -> 21 and recomputed tokens 5236 -> 1195 for
 # 2% more steps. 0.04 keeps twice as many preemptions; 0.15 and up mostly delays admission.
@@ -113,6 +128,11 @@ class SchedulerConfig:
     `kv_watermark` is the fraction of a replica's pages admission keeps available for running
     requests' growth (see the module docstring); `enable_prefix_caching` shares full prompt pages
     between requests with the same prefix (continuous policy only).
+
+    `ordering` is how waiting requests are taken: "fcfs", or "predicted" (shortest predicted
+    first, with aging; see "Predicted ordering" in the module docstring). `reserve_quantile` is
+    the quantile of each request's predicted output length that "predicted" keeps pages for, and
+    `aging_tokens_per_step` how fast a waiting request's predicted cost shrinks while it waits.
     """
 
     num_pages: int
@@ -128,8 +148,20 @@ class SchedulerConfig:
     num_replicas: int = 1
     enable_prefix_caching: bool = True
     kv_watermark: float = DEFAULT_KV_WATERMARK
+    ordering: str = "fcfs"
+    reserve_quantile: float = 0.9
+    aging_tokens_per_step: float = 1.0
 
     def __post_init__(self):
+        if self.ordering not in ORDERINGS:
+            raise ValueError(f"ordering must be one of {ORDERINGS}, got {self.ordering!r}")
+        if not isinstance(self.reserve_quantile, numbers.Real) or not (
+                0 <= self.reserve_quantile <= 1):
+            raise ValueError(f"reserve_quantile must be in [0, 1], got {self.reserve_quantile!r}")
+        if not isinstance(self.aging_tokens_per_step, numbers.Real) or not (
+                self.aging_tokens_per_step > 0):
+            raise ValueError(f"aging_tokens_per_step must be > 0, got "
+                             f"{self.aging_tokens_per_step!r}")
         if not _is_int(self.num_replicas) or self.num_replicas < 1:
             raise ValueError(f"num_replicas must be an int >= 1, got {self.num_replicas!r}")
         if not isinstance(self.kv_watermark, numbers.Real) or not 0 <= self.kv_watermark < 1:
@@ -253,8 +285,14 @@ class Scheduler:
     """Engine API: add, schedule, update, finish, abort. Policies use reserve_pages, start and
     preempt to move requests between the queues."""
 
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, predictor: LengthPredictor | None = None):
+        """`predictor` predicts each request's output length when it is added, and learns from
+        each that finishes; "predicted" ordering without one uses the prior."""
         self.config = config
+        if predictor is None and config.ordering == "predicted":
+            predictor = PriorPredictor()
+        self.predictor = predictor
+        self.num_steps = 0  # schedule() calls so far: the clock of aging
         self.allocators = [PageAllocator(config.num_pages) for _ in range(config.num_replicas)]
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # in admission order: the last is the newest
@@ -307,6 +345,10 @@ class Scheduler:
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self._check_fits(request)
+        if self.predictor is not None:
+            request.length_features = extract_features(request.prompt_token_ids, request.params)
+            request.predicted_length = self.predictor.predict([request.length_features])[0]
+        request.arrival_step = self.num_steps
         self._requests[request.request_id] = request
         # Behind every waiting request of the same or higher priority: FCFS within a priority.
         position = next((i for i, r in enumerate(self.waiting) if r.priority < request.priority),
@@ -314,6 +356,7 @@ class Scheduler:
         self.waiting.insert(position, request)
 
     def schedule(self) -> StepPlan:
+        self.num_steps += 1
         return build_plan(self._policy.pick_rows(self), page_size=self.config.page_size,
                           eos_token_ids=self.config.eos_token_ids,
                           num_replicas=self.config.num_replicas,
@@ -358,7 +401,16 @@ class Scheduler:
         self._release_pages(request)
         request.status, request.finish_reason = status, status.finish_reason
         request.stop_reason = stop_reason
+        self._observe_length(request)
         return True
+
+    def _observe_length(self, request: Request) -> None:
+        """Teaches the predictor a finished request's output length; an aborted request's
+        length says nothing about what it would have been."""
+        if (self.predictor is not None and request.length_features is not None
+                and request.status is not RequestStatus.FINISHED_ABORTED
+                and request.output_token_ids):
+            self.predictor.observe(request.length_features, len(request.output_token_ids))
 
     def abort(self, request_id: str) -> bool:
         """Cancels a waiting or running request; its pages are free when this returns."""
@@ -384,6 +436,43 @@ class Scheduler:
             num_reserved_unused_pages=sum(
                 max(0, len(r.pages) - num_pages_for(r.num_tokens, page_size)) for r in running),
             num_filled_slots=used * page_size - empty, num_allocated_slots=used * page_size)
+
+    # What the policies use to order and admit requests.
+
+    def waiting_order(self) -> list[Request]:
+        """The waiting requests in the order admission takes them.
+
+        "fcfs": the queue (higher priority first, then arrival; a preempted request at the
+        front). "predicted": within a priority, requests that were preempted first (they hold
+        outputs already, and their users are waiting), then by `predicted_cost`, lowest first.
+        """
+        if self.config.ordering == "fcfs":
+            return list(self.waiting)
+        return sorted(self.waiting, key=lambda r: (-r.priority, r.num_preemptions == 0,
+                                                   self.predicted_cost(r)))
+
+    def predicted_cost(self, request: Request) -> float:
+        """Tokens the request still has to compute, by its predicted median output length,
+        less `aging_tokens_per_step` for every step it has waited: shortest first, but a long
+        request's cost keeps falling until it is first, so nothing starves."""
+        prediction = request.predicted_length
+        num_outputs = prediction.median if prediction is not None else request.params.max_tokens
+        waited = self.num_steps - request.arrival_step
+        return (request.num_uncomputed + max(num_outputs - len(request.output_token_ids), 0)
+                - self.config.aging_tokens_per_step * waited)
+
+    def predicted_growth(self, request: Request, num_tokens: int | None = None) -> int:
+        """Pages the request will still need, beyond those for `num_tokens` tokens (default: the
+        pages it holds), if its output reaches the `reserve_quantile` of its predicted length."""
+        prediction = request.predicted_length
+        if prediction is None:
+            return 0
+        num_outputs = max(prediction.at(self.config.reserve_quantile),
+                          len(request.output_token_ids))
+        kv_len = min(request.num_prompt_tokens + num_outputs - 1, request.max_kv_len)
+        held = (len(request.pages) if num_tokens is None
+                else num_pages_for(num_tokens, self.config.page_size))
+        return max(num_pages_for(kv_len, self.config.page_size) - held, 0)
 
     # What the policies use to change the queues.
 
@@ -718,7 +807,7 @@ class ContinuousPolicy:
         """Admits waiting requests in `_admission_order`, each on the first replica in
         `_placement_order` that can take it. A replica that preempted this step admits nobody."""
         seats = [len(scheduler.running_on(r)) for r in range(len(drafts))]
-        for position, request in enumerate(self._admission_order(scheduler.waiting)):
+        for position, request in enumerate(self._admission_order(scheduler)):
             open_replicas = [r for r, d in enumerate(drafts)
                              if seats[r] < self.config.max_num_seqs and d.num_free_tokens > 0
                              and d.num_preempted == 0]
@@ -733,8 +822,8 @@ class ContinuousPolicy:
                                             draft.num_free_tokens, self.config)
                 if not draft.can_add_prefill(num_new, self.config):
                     continue
-                if not scheduler.admit(request, cached, num_new,
-                                       headroom=self._headroom(scheduler, replica)):
+                headroom = self._headroom(scheduler, replica, request, num_computed + num_new)
+                if not scheduler.admit(request, cached, num_new, headroom=headroom):
                     short_of_pages = True
                     continue
                 draft.add(Row(request, num_new, is_decode=False))
@@ -756,23 +845,33 @@ class ContinuousPolicy:
         order = sorted(replicas, key=lambda r: (-len(hits[r]), scheduler.replica_load(r), r))
         return [(r, hits[r]) for r in order]
 
-    def _headroom(self, scheduler: Scheduler, replica: int) -> int:
-        """Pages an admission must leave available on `replica` (the watermark); none while
-        nothing runs there, so the head of the queue is always admitted into an idle replica."""
-        if not scheduler.running_on(replica):
+    def _headroom(self, scheduler: Scheduler, replica: int, request: Request,
+                  num_tokens: int) -> int:
+        """Pages admitting `request` (with pages for `num_tokens` tokens) must leave available on
+        `replica`: the watermark, or under "predicted" ordering the growth still predicted for the
+        requests running there and for this one, if that is more. None while nothing runs
+        there, so the head of the queue is always admitted into an idle replica."""
+        running = scheduler.running_on(replica)
+        if not running:
             return 0
-        return math.ceil(self.config.kv_watermark * scheduler.allocators[replica].num_total)
+        watermark = math.ceil(self.config.kv_watermark * scheduler.allocators[replica].num_total)
+        if self.config.ordering != "predicted":
+            return watermark
+        growth = (sum(scheduler.predicted_growth(r) for r in running)
+                  + scheduler.predicted_growth(request, num_tokens))
+        return max(watermark, growth)
 
-    def _admission_order(self, waiting: collections.deque[Request]) -> list[Request]:
+    def _admission_order(self, scheduler: Scheduler) -> list[Request]:
         """The head first; then, among the next `admission_lookahead` requests, those in the head's
-        token bucket, then the others, each in queue order.
+        token bucket, then the others, each in `Scheduler.waiting_order`.
 
         The window holds more requests than there are seats, so looking no further never leaves a
-        seat empty that FCFS would have filled.
+        seat empty that FCFS would have filled. Under "predicted" ordering the waiting order
+        already puts similar lengths together, so it is kept as it is.
         """
-        window = list(itertools.islice(waiting, 0, 1 + self.config.admission_lookahead))
-        if not window:
-            return []
+        window = scheduler.waiting_order()[:1 + self.config.admission_lookahead]
+        if not window or self.config.ordering == "predicted":
+            return window
         head, rest = window[0], window[1:]
         is_same = [self._bucket(r) == self._bucket(head) for r in rest]
         same = [r for r, s in zip(rest, is_same) if s]
@@ -821,10 +920,10 @@ class StaticPolicy:
         return rows
 
     def _form_batch(self, scheduler: Scheduler, replica: int) -> list[Request]:
-        """Up to max_num_seqs waiting requests, FCFS, each with pages for its whole life."""
+        """Up to max_num_seqs waiting requests, each with pages for its whole life: the first
+        in `_batch_order`, and the next ones while their pages fit."""
         batch = []
-        while scheduler.waiting and len(batch) < self._max_batch_size():
-            request = scheduler.waiting[0]
+        for request in self._batch_order(scheduler)[:self._max_batch_size()]:
             request.replica = replica
             if not scheduler.reserve_pages(request, request.max_kv_len):
                 break
@@ -832,6 +931,22 @@ class StaticPolicy:
             batch.append(request)
         assert batch or not scheduler.waiting, "an empty cache holds any request that passed add"
         return batch
+
+    def _batch_order(self, scheduler: Scheduler) -> list[Request]:
+        """FCFS; or, under "predicted" ordering, the first in `Scheduler.waiting_order` followed
+        by the requests of the next `admission_lookahead` whose prompt and predicted output
+        lengths are closest to its own, so that the batch pads little and ends together (the
+        brief's grouping by predicted length)."""
+        order = scheduler.waiting_order()
+        if self.config.ordering != "predicted" or not order:
+            return order
+        head, window = order[0], order[1:1 + self.config.admission_lookahead]
+
+        def distance(r: Request) -> int:
+            return (abs(r.num_prompt_tokens - head.num_prompt_tokens)
+                    + abs(_predicted_outputs(r) - _predicted_outputs(head)))
+
+        return [head] + sorted(window, key=distance)
 
     def _prefill_rows(self, batch: list[Request]) -> list[Row]:
         """One lockstep chunk of every prompt; rows whose prompt is done are padding."""
@@ -860,6 +975,11 @@ class StaticPolicy:
         fitting = [t for t in c.token_buckets
                    if t <= chunk and fits_padded_budget(num_rows, t, c)]
         return max(fitting, default=chunk)
+
+
+def _predicted_outputs(request: Request) -> int:
+    prediction = request.predicted_length
+    return prediction.median if prediction is not None else request.params.max_tokens
 
 
 def _is_prefilling(request: Request) -> bool:
