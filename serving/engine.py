@@ -28,8 +28,10 @@ from meshserve.batching.pipeline import (PLACEHOLDER, PipelineSchedule, UnitShap
 from meshserve.batching.plan import StepPlan
 from meshserve.batching.request import Request, RequestStatus
 from meshserve.batching.sampling import SamplingParams
-from meshserve.batching.scheduler import Scheduler, SchedulerConfig, stop_status_at
+from meshserve.batching.scheduler import (DEFAULT_KV_WATERMARK, ORDERINGS, Scheduler,
+                                          SchedulerConfig, stop_status_at)
 from meshserve.model.hub import cache_root
+from meshserve.model.length_predictor import LearnedPredictor
 from meshserve.model.runner import (CompileCounter, ModelRunner, RunnerConfig, SampledRows,
                                     enable_compilation_cache)
 from meshserve.model.pipeline import PipelineRunner
@@ -60,6 +62,14 @@ class EngineConfig:
     max_model_len: int | None = None  # (compile) prompt + output per request; None: the
     # model's context, at most DEFAULT_MAX_MODEL_LEN
     policy: str = "continuous"  # "continuous" or the "static" baseline
+    enable_prefix_caching: bool = True  # share computed full prompt pages between requests with
+    # the same prefix (continuous policy; static never caches)
+    kv_watermark: float = DEFAULT_KV_WATERMARK  # fraction of pages admission keeps available
+    # for running requests' growth, so preemption stays rare
+    ordering: str = "fcfs"  # "fcfs", or "predicted": shortest predicted output first (with
+    # aging), pages kept for predicted growth, static batches grouped by predicted length
+    length_predictor: str | None = None  # "predicted": a saved predictor (.npz) to start from;
+    # None starts from the prior. Either way it keeps learning from finished requests.
     max_logprobs: int = 20  # (compile) top logprobs computed each step
     pipeline_rounds: int = 4  # (compile) steps one pipeline call runs before the host steps in
     # (stage > 1 only; 1 for any call with a penalty, which needs every token on the host)
@@ -73,6 +83,11 @@ class EngineConfig:
         object.__setattr__(self, "mesh", str(MeshConfig.coerce(self.mesh)))
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.ordering not in ORDERINGS:
+            raise ValueError(f"ordering must be one of {ORDERINGS}, got {self.ordering!r}")
+        if self.length_predictor is not None and self.ordering != "predicted":
+            raise ValueError("length_predictor is used only with ordering='predicted'")
+        self._check_watermark()
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if isinstance(value, int) and not isinstance(value, bool) and value < 1:
@@ -80,6 +95,13 @@ class EngineConfig:
         if self.prefill_chunk > self.max_num_batched_tokens:
             raise ValueError(f"prefill_chunk ({self.prefill_chunk}) must not exceed "
                              f"max_num_batched_tokens ({self.max_num_batched_tokens})")
+
+    def _check_watermark(self) -> None:
+        """A fraction, stored as a float so that 0 is not taken for a count below 1."""
+        value = self.kv_watermark
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+            raise ValueError(f"kv_watermark must be a fraction in [0, 1), got {value!r}")
+        object.__setattr__(self, "kv_watermark", float(value))
 
     @property
     def mesh_config(self) -> MeshConfig:
@@ -126,7 +148,17 @@ class EngineConfig:
             max_num_batched_tokens=self.max_num_batched_tokens, prefill_chunk=self.prefill_chunk,
             max_model_len=self.max_model_len, policy=self.policy,
             token_buckets=self.runner_config().token_buckets,
-            eos_token_ids=tuple(eos_token_ids), num_replicas=num_replicas)
+            eos_token_ids=tuple(eos_token_ids), num_replicas=num_replicas,
+            enable_prefix_caching=self.enable_prefix_caching, kv_watermark=self.kv_watermark,
+            ordering=self.ordering)
+
+    def make_length_predictor(self) -> LearnedPredictor | None:
+        """The predictor "predicted" ordering uses: loaded from `length_predictor`, or new."""
+        if self.ordering != "predicted":
+            return None
+        if self.length_predictor is None:
+            return LearnedPredictor()
+        return LearnedPredictor.load(self.length_predictor)
 
 
 @dataclasses.dataclass
@@ -165,8 +197,8 @@ class Engine:
             raise ValueError("a shared runner must have this engine's model and runner config")
         self.model, self.model_config, self.runner = model, model.config, runner
         eos = tokenizer.eos_token_ids if tokenizer is not None else model.config.eos_token_ids
-        self.scheduler = Scheduler(config.scheduler_config(
-            eos, num_replicas=runner.num_replicas))
+        self.scheduler = Scheduler(config.scheduler_config(eos, num_replicas=runner.num_replicas),
+                                   predictor=config.make_length_predictor())
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self.stats = EngineStats()
@@ -404,7 +436,8 @@ class Engine:
             request_id=request.request_id, prompt=stream.prompt,
             prompt_token_ids=list(request.prompt_token_ids),
             prompt_logprobs=stream.prompt_logprobs, outputs=[completion],
-            finished=request.is_finished, metrics=stream.metrics)
+            finished=request.is_finished, metrics=stream.metrics,
+            num_cached_tokens=request.num_cached_tokens)
 
     def _advance_text(self, stream: _Stream) -> None:
         """Decodes new tokens, cuts at a stop string, and moves the safe-to-show mark.

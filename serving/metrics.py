@@ -19,6 +19,10 @@ Gauges, as of the last `observe_step`:
     meshserve:num_requests_running          requests holding a seat (scheduler.num_running)
     meshserve:num_requests_waiting          requests queued, preempted ones included
     meshserve:kv_cache_usage_perc           used KV pages / usable KV pages, a fraction in [0, 1]
+    meshserve:kv_cache_cached_pages         pages held by no request that keep a prefix-cache
+                                            page (evictable); free + used + cached = usable
+    meshserve:kv_cache_fragmentation_ratio  allocated token slots holding no KV / allocated slots
+    meshserve:kv_cache_reserved_unused_pages  pages held beyond the requests' current tokens
     meshserve:prefill_padding_ratio         padded prefill token slots / all prefill token slots
                                             computed, over the engine's life
     meshserve:decode_padding_ratio          the same for decode rows
@@ -29,6 +33,8 @@ Gauges, as of the last `observe_step`:
 
 Counters:
     meshserve:num_preemptions_total         requests sent back to the queue for want of KV pages
+    meshserve:prefix_cache_hits_total       tokens found in the prefix cache on admission, so
+                                            not computed
     meshserve:prompt_tokens_total           prompt tokens of each request, counted at its first
                                             output token (recomputation after preemption is not
                                             counted again)
@@ -115,6 +121,12 @@ class ServerMetrics:
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests queued.")
         self.kv_cache_usage = gauge("kv_cache_usage_perc",
                                     "KV-cache usage: used pages / usable pages (1 is full).")
+        self.kv_cache_cached_pages = gauge(
+            "kv_cache_cached_pages", "Evictable pages kept for the prefix cache.")
+        self.kv_cache_fragmentation = gauge(
+            "kv_cache_fragmentation_ratio", "Allocated token slots holding no KV / allocated.")
+        self.kv_cache_reserved_unused = gauge(
+            "kv_cache_reserved_unused_pages", "Pages held beyond the requests' current tokens.")
         self.prefill_padding_ratio = gauge(
             "prefill_padding_ratio", "Padded share of the prefill token slots computed.")
         self.decode_padding_ratio = gauge(
@@ -123,6 +135,8 @@ class ServerMetrics:
             "stage_utilisation", "Busy pipeline stage-slots / all stage-slots.")
 
         self.num_preemptions = counter("num_preemptions", "Requests preempted for KV pages.")
+        self.prefix_cache_hits = counter("prefix_cache_hits",
+                                         "Tokens found in the prefix cache, not computed.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started.")
         self.generation_tokens = counter("generation_tokens", "Output tokens produced.")
         self.recompiles = counter("recompiles", "Programs compiled after warm-up.")
@@ -138,6 +152,7 @@ class ServerMetrics:
         self._requests: dict[str, _Seen] = {}  # unfinished requests seen in an output
         self._num_steps = 0  # engine counters as of the previous observe_step
         self._num_preemptions = 0
+        self._num_cached_tokens = 0
         self._compiles = 0
         self._http: tuple | None = None  # (server, thread) of start_http_server
 
@@ -154,11 +169,16 @@ class ServerMetrics:
         self._num_steps = stats.num_steps
         self._num_preemptions = _add_growth(self.num_preemptions, self._num_preemptions,
                                             scheduler.num_preemptions)
+        self._num_cached_tokens = _add_growth(self.prefix_cache_hits, self._num_cached_tokens,
+                                              scheduler.num_cached_tokens)
         self._compiles = _add_growth(self.recompiles, self._compiles, stats.compiles_after_warmup)
         self.num_requests_running.set(scheduler.num_running)
         self.num_requests_waiting.set(scheduler.num_waiting)
         usage = scheduler.kv_usage()
         self.kv_cache_usage.set(usage.num_used_pages / usage.num_total_pages)
+        self.kv_cache_cached_pages.set(usage.num_cached_pages)
+        self.kv_cache_fragmentation.set(usage.fragmentation)
+        self.kv_cache_reserved_unused.set(usage.num_reserved_unused_pages)
         self.prefill_padding_ratio.set(stats.prefill_padding)
         self.decode_padding_ratio.set(stats.decode_padding)
 

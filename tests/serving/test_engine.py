@@ -7,6 +7,8 @@ record (prompt logprobs compile their own shapes) runs on unwarmed engines with 
 Text, stop strings and streaming run on the real SmolLM2 (slow).
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -156,8 +158,38 @@ def test_preemption_keeps_outputs_identical(engine, tight_engine):
     preempted = [out.metrics.num_preemptions > 0 for out in tight]
     assert any(preempted[0::2]) and any(preempted[1::2])  # greedy and seeded ones both recomputed
     assert _tokens(tight) == _tokens(roomy)
-    allocator = tight_engine.scheduler.allocator
-    assert allocator.num_free == allocator.num_total
+    assert tight_engine.scheduler.allocator.num_used == 0
+
+
+@pytest.fixture(scope="module")
+def uncached_engine(tiny_model, engine):
+    """The warmed engine's twin without prefix caching; it shares its compiled programs."""
+    return Engine(tiny_model, None, EngineConfig(**(TINY | dict(enable_prefix_caching=False))),
+                  runner=engine.runner)
+
+
+def _shared_prefix_requests(system_len: int, tails, max_tokens: int, seed: int) -> list:
+    system = _prompt(system_len, seed=seed)
+    return [(system + _prompt(n, seed=seed + 1 + i), _greedy(max_tokens))
+            for i, n in enumerate(tails)]
+
+
+def _first_alone_then_rest(engine: Engine, requests) -> list:
+    return _run(engine, requests[:1]) + _run(engine, requests[1:])
+
+
+def test_prefix_cache_gives_identical_tokens_and_skips_the_shared_pages(engine, uncached_engine):
+    requests = _shared_prefix_requests(40, [3, 9, 17, 1], max_tokens=10, seed=60)
+    computed = engine.stats.prefill_tokens + engine.stats.decode_tokens
+    cached = _first_alone_then_rest(engine, requests)
+    saved = [out.num_cached_tokens for out in cached]
+    assert saved == [0, 32, 32, 32]  # the system prompt's 2 full pages of 16
+    uncached = _first_alone_then_rest(uncached_engine, requests)
+    assert _tokens(cached) == _tokens(uncached)
+    assert all(out.num_cached_tokens == 0 for out in uncached)
+    computed = engine.stats.prefill_tokens + engine.stats.decode_tokens - computed
+    assert computed == sum(len(p) for p, _ in requests) - sum(saved) + 4 * (10 - 1)
+    assert engine.scheduler.allocator.num_cached > 0 and engine.scheduler.allocator.num_used == 0
 
 
 @pytest.fixture(scope="module")
@@ -386,6 +418,8 @@ def test_duplicate_request_id_is_rejected(engine):
     (dict(prefill_chunk=64, max_num_batched_tokens=32), "must not exceed max_num_batched_tokens"),
     (dict(max_model_len=2048), "exceeds the model's context of 1024"),
     (dict(num_pages=0), "num_pages must be >= 1"),
+    (dict(kv_watermark=1.0), r"kv_watermark must be a fraction in \[0, 1\)"),
+    (dict(kv_watermark="high"), "kv_watermark must be a fraction"),
 ])
 def test_bad_engine_config_is_rejected(tiny_model, overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -399,8 +433,7 @@ def test_shutdown_empties_the_engine(engine):
     engine.step()
     assert engine.scheduler.num_running > 0 and engine.scheduler.num_waiting > 0
     engine.shutdown()
-    allocator = engine.scheduler.allocator
-    assert not engine.has_unfinished() and allocator.num_free == allocator.num_total
+    assert not engine.has_unfinished() and engine.scheduler.allocator.num_used == 0
     assert engine.step() == []
     (out,) = _run(engine, [(_prompt(3, seed=30), _greedy(2))])  # still serves afterwards
     assert len(out.outputs[0].token_ids) == 2
@@ -437,6 +470,27 @@ def test_smollm2_mixed_batch_gives_each_request_its_solo_output(smol_engine):
     assert together[0].outputs[0].finish_reason == "stop"  # the answer ends with EOS
     assert together[0].outputs[0].token_ids[-1] in smol_engine.tokenizer.eos_token_ids
     assert together[0].prompt == prompts[0]
+
+
+SYSTEM = ("You are a careful assistant for a small library. Answer briefly, in plain words, "
+          "and say so when you do not know.")
+
+
+@pytest.mark.slow
+def test_smollm2_shared_system_prompt_gives_the_same_tokens_with_and_without_the_cache(
+        smollm2_pretrained, smol_engine):
+    uncached = Engine(smollm2_pretrained.model, smollm2_pretrained.tokenizer, dataclasses.replace(
+        smol_engine.config, enable_prefix_caching=False), runner=smol_engine.runner)
+    prompts = [smol_engine.tokenizer.apply_chat_template(
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
+        for q in QUESTIONS]
+    requests = [(p, SamplingParams(temperature=0, max_tokens=12)) for p in prompts]
+    cached = _first_alone_then_rest(smol_engine, requests)
+    plain = _first_alone_then_rest(uncached, requests)
+    assert _tokens(cached) == _tokens(plain)
+    assert [o.outputs[0].text for o in cached] == [o.outputs[0].text for o in plain]
+    assert min(o.num_cached_tokens for o in cached[1:]) >= 32  # the system prompt's full pages
+    assert all(o.num_cached_tokens == 0 for o in plain)
 
 
 def _stream(engine: Engine, prompt: str, params: SamplingParams):

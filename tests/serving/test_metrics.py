@@ -27,8 +27,11 @@ CRAMPED = dict(num_pages=9, page_size=4, max_num_seqs=2, max_num_batched_tokens=
 HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds",
               "e2e_request_latency_seconds", "step_duration_seconds")
 GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-          "prefill_padding_ratio", "decode_padding_ratio", "stage_utilisation")
-COUNTERS = ("num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
+          "kv_cache_cached_pages", "kv_cache_fragmentation_ratio",
+          "kv_cache_reserved_unused_pages", "prefill_padding_ratio", "decode_padding_ratio",
+          "stage_utilisation")
+COUNTERS = ("num_preemptions_total", "prefix_cache_hits_total", "prompt_tokens_total",
+            "generation_tokens_total",
             "recompiles_total", "request_success_total", "requests_rejected_total")
 
 
@@ -154,9 +157,13 @@ def test_preemption_is_counted_and_recomputation_is_not(tiny_model):
         _step(engine, metrics)
         usage = engine.scheduler.kv_usage()
         assert _value(metrics, "kv_cache_usage_perc") == usage.num_used_pages / 8
+        assert _value(metrics, "kv_cache_cached_pages") == usage.num_cached_pages
+        assert _value(metrics, "kv_cache_fragmentation_ratio") == usage.fragmentation
+        assert _value(metrics, "kv_cache_reserved_unused_pages") == 0
         peak_usage = max(peak_usage, _value(metrics, "kv_cache_usage_perc"))
     assert engine.scheduler.num_preemptions > 0
     assert _value(metrics, "num_preemptions_total") == engine.scheduler.num_preemptions
+    assert _value(metrics, "prefix_cache_hits_total") == engine.scheduler.num_cached_tokens
     assert 0.5 < peak_usage <= 1.0
     assert _value(metrics, "kv_cache_usage_perc") == 0
     assert _value(metrics, "generation_tokens_total") == 40

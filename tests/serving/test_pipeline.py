@@ -110,6 +110,24 @@ def test_preemption_and_aborts_keep_the_page_invariant():
     assert all(a.num_used == 0 for a in engine.scheduler.allocators)
 
 
+def test_cached_prefixes_give_the_same_tokens_as_one_device_without_the_cache():
+    """Pipeline calls read cached pages, and register pages that their own earlier rounds wrote:
+    units run in order on every stage, so a later unit reads KV an earlier one wrote. Pages
+    filled by decode are keyed once their placeholders are resolved."""
+    model = _model(num_layers=2)
+    rng = np.random.default_rng(5)
+    system = rng.integers(2, model.config.vocab_size, size=40).tolist()
+    requests = [(system + rng.integers(2, model.config.vocab_size, size=n).tolist(),
+                 SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=5))
+                for n in (3, 9, 1, 14, 6)]
+    plain = Engine(model, None, EngineConfig(enable_prefix_caching=False, **ENGINE))
+    want = _run(plain, requests[:1]) + _run(plain, requests[1:])
+    engine = Engine(model, None, EngineConfig(mesh="stage=2", pipeline_rounds=3, **ENGINE))
+    got = _run(engine, requests[:1]) + _run(engine, requests[1:])
+    _assert_same(got, want)
+    assert engine.scheduler.num_cached_tokens >= 4 * 32
+
+
 def test_prompt_logprobs_are_refused_with_a_clear_message():
     engine = Engine(_model(), None, EngineConfig(mesh="stage=2", **ENGINE))
     with pytest.raises(ValueError, match="prompt_logprobs are not available with pipeline"):
