@@ -13,6 +13,9 @@ Workloads (prompt tokens are seeded random ids; every output is forced to its ta
               outputs lognormal, median 48, sigma 1.0, clipped to [4, 256]
   long        prompts uniform in [256, 1024], outputs uniform in [16, 128]
   fixed-IxO   every request has I prompt and O output tokens, e.g. fixed-128x64
+  shared-prefix  4 system prompts of 256 tokens, each request one of them (at random) then its
+              own question, lognormal median 32, clipped to [8, 128]; outputs as chat-mix but
+              clipped to [4, 128]: what prefix caching is for
 
   jsonl:PATH  the user's own prompts (`load_jsonl_workload`): one JSON object a line with
               `prompt` (text, through the model's tokenizer) or `prompt_token_ids`, and an
@@ -59,6 +62,8 @@ class BenchRequest:
 def make_workload(name: str, *, num_requests: int, vocab_size: int,
                   seed: int = 0) -> list[BenchRequest]:
     rng = np.random.default_rng(seed)
+    if name == "shared-prefix":
+        return _shared_prefix_workload(num_requests, vocab_size, rng)
     prompt_lens, output_lens = _lengths(name, num_requests, rng)
     return [BenchRequest(prompt_token_ids=rng.integers(0, vocab_size, int(p)).tolist(),
                          num_output_tokens=int(o)) for p, o in zip(prompt_lens, output_lens)]
@@ -74,7 +79,23 @@ def _lengths(name: str, n: int, rng: np.random.Generator) -> tuple[np.ndarray, n
     if name.startswith("fixed-"):
         prompt_len, output_len = (int(x) for x in name.removeprefix("fixed-").split("x"))
         return np.full(n, prompt_len), np.full(n, output_len)
-    raise ValueError(f"unknown workload {name!r}; use chat-mix, long or fixed-IxO (fixed-128x64)")
+    raise ValueError(f"unknown workload {name!r}; use chat-mix, long, shared-prefix or "
+                     f"fixed-IxO (fixed-128x64)")
+
+
+SHARED_PREFIXES, SHARED_PREFIX_LEN = 4, 256
+
+
+def _shared_prefix_workload(n: int, vocab_size: int,
+                            rng: np.random.Generator) -> list[BenchRequest]:
+    """Requests that each start with one of a few long system prompts (see the docstring)."""
+    systems = [rng.integers(0, vocab_size, SHARED_PREFIX_LEN).tolist()
+               for _ in range(SHARED_PREFIXES)]
+    choices = rng.integers(0, SHARED_PREFIXES, n)
+    questions = np.clip(np.round(32 * rng.lognormal(0.0, 1.0, n)), 8, 128)
+    outputs = np.clip(np.round(48 * rng.lognormal(0.0, 1.0, n)), 4, 128)
+    return [BenchRequest(prompt_token_ids=systems[c] + rng.integers(0, vocab_size, int(q)).tolist(),
+                         num_output_tokens=int(o)) for c, q, o in zip(choices, questions, outputs)]
 
 
 JSONL_FIELDS = {"prompt", "prompt_token_ids", "max_tokens", "id"}
@@ -213,16 +234,20 @@ def _kv_sampler(engine: Engine) -> Iterator[list[KVUsage]]:
 
 
 def kv_fragmentation(samples: Sequence[KVUsage]) -> dict[str, Any]:
-    """Peak used pages and internal fragmentation (allocated token slots holding no token, over
-    allocated slots) across per-step samples; the mean is over samples with pages allocated."""
-    fractions = [u.num_empty_slots / u.num_allocated_slots for u in samples
-                 if u.num_allocated_slots]
+    """Peak used pages, internal fragmentation (allocated token slots holding no token, over
+    allocated slots), cached and reserved-but-unused pages across per-step samples; the
+    fragmentation mean is over samples with pages allocated."""
+    fractions = [u.fragmentation for u in samples if u.num_allocated_slots]
+    mean = lambda values: float(np.mean(values)) if values else 0.0  # noqa: E731
     return {
         "num_samples": len(samples),
         "peak_used_pages": max((u.num_used_pages for u in samples), default=0),
         "total_pages": samples[0].num_total_pages if samples else None,
         "peak_fragmentation": max(fractions, default=0.0),
-        "mean_fragmentation": float(np.mean(fractions)) if fractions else 0.0,
+        "mean_fragmentation": mean(fractions),
+        "peak_cached_pages": max((u.num_cached_pages for u in samples), default=0),
+        "mean_cached_pages": mean([u.num_cached_pages for u in samples]),
+        "mean_reserved_unused_pages": mean([u.num_reserved_unused_pages for u in samples]),
     }
 
 
@@ -237,6 +262,7 @@ def _engine_side(engine: Engine, before, wall: float,
         "prefill_padding": stats.prefill_padding, "decode_padding": stats.decode_padding,
         "stage_utilisation": stats.stage_utilisation,
         "preemptions": engine.scheduler.num_preemptions,
+        "prefix_cached_tokens": engine.scheduler.num_cached_tokens,
         "compiles_after_warmup": stats.compiles_after_warmup,
         "recompiles": stats.compiles_after_warmup,
         "peak_kv_pages": engine.scheduler.kv_usage().num_peak_used_pages,

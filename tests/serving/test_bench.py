@@ -120,22 +120,35 @@ def test_bench_runs_a_jsonl_file_and_reports_a_bad_line(tmp_path, capsys):
     assert f"{path}:2: a text prompt needs the model's tokenizer" in capsys.readouterr().err
 
 
-def test_fragmentation_is_empty_over_allocated_slots_per_step():
-    samples = [
-        KVUsage(num_used_pages=0, num_peak_used_pages=0, num_total_pages=10,
-                num_filled_slots=0, num_allocated_slots=0),  # nothing allocated: no fraction
-        KVUsage(num_used_pages=2, num_peak_used_pages=2, num_total_pages=10,
-                num_filled_slots=24, num_allocated_slots=32),  # 8 of 32 empty
-        KVUsage(num_used_pages=4, num_peak_used_pages=4, num_total_pages=10,
-                num_filled_slots=48, num_allocated_slots=64),  # 16 of 64 empty
-        KVUsage(num_used_pages=1, num_peak_used_pages=4, num_total_pages=10,
-                num_filled_slots=4, num_allocated_slots=16),  # 12 of 16 empty
-    ]
+def _usage(used: int, filled: int, *, cached: int = 0, reserved: int = 0) -> KVUsage:
+    return KVUsage(num_total_pages=10, num_free_pages=10 - used - cached, num_used_pages=used,
+                   num_cached_pages=cached, num_peak_used_pages=4,
+                   num_reserved_unused_pages=reserved, num_filled_slots=filled,
+                   num_allocated_slots=16 * used)
+
+
+def test_kv_section_reports_fragmentation_and_cached_and_reserved_pages_per_step():
+    samples = [_usage(0, 0),  # nothing allocated: no fragmentation fraction
+               _usage(2, 24, cached=3),  # 8 of 32 empty
+               _usage(4, 48, cached=1, reserved=2),  # 16 of 64 empty
+               _usage(1, 4)]  # 12 of 16 empty
     kv = bench.kv_fragmentation(samples)
     assert kv == {"num_samples": 4, "peak_used_pages": 4, "total_pages": 10,
                   "peak_fragmentation": 0.75,
-                  "mean_fragmentation": pytest.approx((0.25 + 0.25 + 0.75) / 3)}
+                  "mean_fragmentation": pytest.approx((0.25 + 0.25 + 0.75) / 3),
+                  "peak_cached_pages": 3, "mean_cached_pages": 1.0,
+                  "mean_reserved_unused_pages": 0.5}
     assert bench.kv_fragmentation([])["peak_fragmentation"] == 0.0
+
+
+def test_shared_prefix_workload_is_seeded_and_shares_its_system_prompts():
+    requests = bench.make_workload("shared-prefix", num_requests=32, vocab_size=1000, seed=3)
+    again = bench.make_workload("shared-prefix", num_requests=32, vocab_size=1000, seed=3)
+    assert requests == again
+    prefixes = {tuple(r.prompt_token_ids[:bench.SHARED_PREFIX_LEN]) for r in requests}
+    assert 1 < len(prefixes) <= bench.SHARED_PREFIXES
+    assert all(8 <= len(r.prompt_token_ids) - bench.SHARED_PREFIX_LEN <= 128 for r in requests)
+    assert all(4 <= r.num_output_tokens <= 128 for r in requests)
 
 
 def test_find_max_rate_brackets_then_bisects(monkeypatch):
