@@ -55,8 +55,17 @@ from meshserve.serving.server import GenerationServer, ServerConfig
 
 @dataclasses.dataclass(frozen=True)
 class BenchRequest:
+    """`num_output_tokens` is the output's length, forced with `ignore_eos`; with
+    `stop_at_eos` it is only a cap, and the model's own EOS ends the output (`--stop-at-eos`)."""
+
     prompt_token_ids: list[int]
     num_output_tokens: int
+    stop_at_eos: bool = False
+
+    def params(self) -> SamplingParams:
+        """Greedy, so every policy and ordering generates the same tokens."""
+        return SamplingParams(max_tokens=self.num_output_tokens, ignore_eos=not self.stop_at_eos,
+                              temperature=0.0)
 
 
 def make_workload(name: str, *, num_requests: int, vocab_size: int,
@@ -165,8 +174,7 @@ def run_offline(engine: Engine, requests: list[BenchRequest], *,
                                          disable=not progress, leave=False) as bar:
         started, started_mono = time.perf_counter(), time.monotonic()
         for req in requests:
-            engine.add_request(req.prompt_token_ids, SamplingParams(
-                max_tokens=req.num_output_tokens, ignore_eos=True, temperature=0.0))
+            engine.add_request(req.prompt_token_ids, req.params())
         num_output = 0
         while engine.has_unfinished():
             for out in engine.step():

@@ -44,6 +44,7 @@ from typing import Any, Iterator, Sequence
 from tqdm.auto import tqdm
 
 from meshserve.batching.sampling import SamplingParams
+from meshserve.batching.scheduler import ORDERINGS
 from meshserve.model.checkpoint import check_destination, save_checkpoint
 from meshserve.model.config import weight_bytes
 from meshserve.model.hub import DEFAULT_MODEL
@@ -57,6 +58,7 @@ from meshserve.serving.plan_command import add_plan_parser, run_plan
 from meshserve.serving.server import GenerationServer, ServerConfig
 
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+FLAG_ALIASES = {"enable_prefix_caching": ("--prefix-caching",)}  # so --no-prefix-caching works
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls) -> None:
@@ -67,7 +69,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls) -> None:
         flag = "--" + field.name.replace("_", "-")
         kind = _scalar_type(hints[field.name])
         if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default,
+            group.add_argument(flag, *FLAG_ALIASES.get(field.name, ()),
+                               action=argparse.BooleanOptionalAction, default=field.default,
                                dest=field.name)
         else:
             group.add_argument(flag, type=kind, default=field.default, dest=field.name,
@@ -123,17 +126,21 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--force", action="store_true", help="replace --out if it is not empty")
     _client_args(commands.add_parser("client", help="prompts to a running `meshserve serve`"))
     add_plan_parser(commands)
+    _model_args(add_mesh_sweep_parser(commands))
     return parser
 
-    _model_args(add_mesh_sweep_parser(commands))
 
 def _bench_args(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--workload", default="chat-mix",
-                       help="chat-mix, long, fixed-IxO (fixed-128x64) or jsonl:PATH")
+                       help="chat-mix, long, shared-prefix, fixed-IxO (fixed-128x64) or "
+                            "jsonl:PATH")
     bench.add_argument("--prompts", type=Path, default=None,
                        help="a JSONL file of prompts (same as --workload jsonl:PATH)")
     bench.add_argument("--max-tokens", type=int, default=64,
                        help="output length of JSONL lines without max_tokens")
+    bench.add_argument("--stop-at-eos", action="store_true",
+                       help="let the model's EOS end each output (the workload's length is then "
+                            "a cap), instead of forcing every output to its length")
     bench.add_argument("--num-requests", type=int, default=None,
                        help="requests of a generated workload (default: 64; --quick: 16)")
     bench.add_argument("--seed", type=int, default=0)
@@ -272,10 +279,14 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
     from meshserve.serving import bench, plots
 
     _check_bench_args(args)
+    if args.policy in ORDERINGS:  # both batching policies always run: --policy picks the ordering
+        args.ordering, args.policy = args.policy, "continuous"
     if args.quick and args.max_model_len is None:
         args.max_model_len = QUICK_MAX_MODEL_LEN
     llm = _load(args, needs_tokenizer=False, warmup=False)
     requests = _bench_requests(args, llm, bench)
+    if args.stop_at_eos:
+        requests = [dataclasses.replace(r, stop_at_eos=True) for r in requests]
     progress = args.progress and sys.stderr.isatty()
     payload: dict[str, Any] = {}
     if args.roofline:
@@ -371,7 +382,7 @@ def _bench_requests(args: argparse.Namespace, llm: LLM, bench) -> list:
 def _print_bench(results: dict, roof: dict | None, *, online: bool) -> None:
     print(f"{'policy':<11} {'out tok/s':>10} {'req/s':>7} {'prefill pad':>11} {'decode pad':>10} "
           f"{'host':>6} {'kv peak':>7} {'frag mean':>9} {'frag peak':>9} {'preempt':>7} "
-          f"{'recompiles':>10}")
+          f"{'recompiles':>10} {'stage util':>10}")
     for policy in ("continuous", "static"):
         r = results[policy]
         kv = r["kv"]
@@ -379,7 +390,8 @@ def _print_bench(results: dict, roof: dict | None, *, online: bool) -> None:
               f"{r['prefill_padding']:>11.1%} {r['decode_padding']:>10.1%} "
               f"{r['host_overhead']:>6.1%} {kv['peak_used_pages']:>7} "
               f"{kv['mean_fragmentation']:>9.1%} {kv['peak_fragmentation']:>9.1%} "
-              f"{r['preemptions']:>7} {r['compiles_after_warmup']:>10}")
+              f"{r['preemptions']:>7} {r['compiles_after_warmup']:>10} "
+              f"{r['stage_utilisation']:>10.1%}")
     if roof is not None:
         print(f"roofline: bandwidth {roof['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, matmul "
               f"{roof['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s, context {roof['context']}")
@@ -619,12 +631,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_convert(args)
         elif args.command == "plan":
             return run_plan(args)
+        elif args.command == "mesh-sweep":
+            return run_mesh_sweep(args, argv, dataclass_from_args(EngineConfig, args))
         elif args.command == "client":
             try:
                 run_client(args)
             except ClientError as err:
-        elif args.command == "mesh-sweep":
-            return run_mesh_sweep(args, argv, dataclass_from_args(EngineConfig, args))
                 print(f"meshserve: error: {err.code.name}: {err.message}", file=sys.stderr)
                 return 2
         else:

@@ -16,8 +16,8 @@ streamed chunk carrying at least one token is stamped as it arrives. The wall ti
 t = 0 of the schedule until the last request has ended. The channel is connected (one health
 check) before the clock starts, so no request's TTFT includes the connection setup.
 
-Every request is sent as token ids with `SamplingParams(max_tokens=num_output_tokens,
-ignore_eos=True, temperature=0)`, so its output has exactly its target length. Every request
+Every request is sent as token ids with `BenchRequest.params()`: greedy, `max_tokens` its target
+length and `ignore_eos` (unless it stops at EOS), so its output has exactly that length. Every request
 gets exactly one `RequestTiming`, in request order: a failed RPC is recorded with `error` set to
 its gRPC status-code name, and a stream that ends with finish_reason "abort" as "ABORTED".
 """
@@ -33,7 +33,6 @@ import grpc
 import numpy as np
 from tqdm.auto import tqdm
 
-from meshserve.batching.sampling import SamplingParams
 from meshserve.serving.client import (AsyncClient, AsyncStream, ClientError, Completion,
                                       StreamChunk)
 from meshserve.serving.latency import RequestTiming
@@ -81,8 +80,7 @@ async def _run(target: str, requests: Sequence[BenchRequest], arrivals: np.ndarr
     slots = asyncio.Semaphore(concurrency) if concurrency is not None else None
     async with AsyncClient(target, api_key=api_key, timeout=timeout) as client:
         # Built (and validated: ValueError) before anything is sent; each is sent when iterated.
-        streams = [client.stream(list(r.prompt_token_ids), SamplingParams(
-            max_tokens=r.num_output_tokens, ignore_eos=True, temperature=0.0)) for r in requests]
+        streams = [client.stream(list(r.prompt_token_ids), r.params()) for r in requests]
         with contextlib.suppress(ClientError):  # an unreachable server fails every request
             await client.health(timeout=_CONNECT_TIMEOUT)
         with tqdm(total=len(requests), desc="requests", unit="req",
