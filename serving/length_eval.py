@@ -26,6 +26,21 @@ Predictors compared: `prior` (`PriorPredictor`, no data), `marginal` (the traini
 quantiles for every request: data, but no features) and `learned` (`LearnedPredictor`).
 
     python -m meshserve.serving.length_eval --workload planted --out results.json
+
+The committed results were made with (the dataset first, then both evaluations):
+
+    python -m meshserve.serving.length_eval --workload smollm2 --num-requests 160 \
+        --dataset benchmarks/results/length-smollm2-dataset.jsonl
+    python -m meshserve.serving.length_eval --workload planted \
+        --workload jsonl:benchmarks/results/length-smollm2-dataset.jsonl \
+        --out benchmarks/results/length-predictor-eval.json
+
+and the predictor and held-out prompts of the serving comparison in README with:
+
+    python -m meshserve.serving.length_eval \
+        --workload jsonl:benchmarks/results/length-smollm2-dataset.jsonl \
+        --save-predictor benchmarks/results/length-predictor-smollm2.npz \
+        --save-test benchmarks/results/length-smollm2-test-workload.jsonl
 """
 
 from __future__ import annotations
@@ -144,6 +159,15 @@ def save_dataset(path: str | Path, samples: Sequence[LengthSample]) -> None:
     Path(path).write_text("\n".join(lines) + "\n")
 
 
+def save_workload(path: str | Path, samples: Sequence[LengthSample]) -> None:
+    """The prompts as a `meshserve bench --workload jsonl:PATH` file (prompt_token_ids and
+    max_tokens; run it with `--stop-at-eos` so the model decides each length again)."""
+    lines = [json.dumps({"prompt_token_ids": s.prompt_token_ids, "max_tokens": s.params.max_tokens})
+             for s in samples]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text("\n".join(lines) + "\n")
+
+
 def load_dataset(path: str | Path) -> list[LengthSample]:
     """The samples `save_dataset` wrote; a bad line raises ValueError naming it."""
     samples = []
@@ -211,8 +235,11 @@ def evaluate(predictor: LengthPredictor, features: Sequence[LengthFeatures],
 
 
 def run_eval(samples: Sequence[LengthSample], *, train_fraction: float = 0.7, seed: int = 0,
-             config: PredictorConfig = PredictorConfig()) -> dict:
-    """Trains each predictor on the train part and evaluates it on the test part."""
+             config: PredictorConfig = PredictorConfig(), save_predictor: str | Path | None = None,
+             save_test: str | Path | None = None) -> dict:
+    """Trains each predictor on the train part and evaluates it on the test part. Optionally
+    saves the learned predictor and the test part's prompts as a `meshserve bench` workload
+    (`save_workload`), so a serving run can use one on the other."""
     train, test = split(samples, train_fraction, seed)
     learned = LearnedPredictor(config, background=False)
     predictors = {"prior": PriorPredictor(config.quantiles),
@@ -225,6 +252,10 @@ def run_eval(samples: Sequence[LengthSample], *, train_fraction: float = 0.7, se
         raise ValueError(f"{len(train)} training samples are fewer than min_samples "
                          f"({config.min_samples})")
     train_seconds = time.perf_counter() - start
+    if save_predictor is not None:
+        learned.save(save_predictor)
+    if save_test is not None:
+        save_workload(save_test, test)
     test_features = [sample_features(s, config.features) for s in test]
     actual = [s.output_len for s in test]
     return {"num_train": len(train), "num_test": len(test),
@@ -260,14 +291,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--train-fraction", type=float, default=0.7)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--save-predictor", help="write the learned predictor (.npz) here; "
+                        "needs a single --workload")
+    parser.add_argument("--save-test", help="write the test part's prompts here, as a bench "
+                        "workload (JSONL); needs a single --workload")
     args = parser.parse_args(argv)
+    if (args.save_predictor or args.save_test) and len(args.workload or ["planted"]) != 1:
+        parser.error("--save-predictor and --save-test need a single --workload")
     argv = sys.argv[1:] if argv is None else list(argv)
     results = {"command": shlex.join(["python", "-m", "meshserve.serving.length_eval", *argv]),
                "results": {}}
     try:
         for name in args.workload or ["planted"]:
             result = run_eval(load_workload(name, args), train_fraction=args.train_fraction,
-                              seed=args.seed)
+                              seed=args.seed, save_predictor=args.save_predictor,
+                              save_test=args.save_test)
             results["results"][name] = result
             print(format_result(name, result))
     except ValueError as error:

@@ -49,3 +49,20 @@ def test_the_command_prints_and_writes_json(tmp_path, capsys):
     assert set(planted["predictors"]) == {"prior", "marginal", "learned"}
     assert planted["num_train"] == 210 and "learned" in capsys.readouterr().out
     assert length_eval.main(["--workload", "nope"]) == 2
+
+
+def test_the_learned_predictor_and_test_prompts_are_saved_for_a_serving_run(tmp_path):
+    """--save-predictor writes what `--length-predictor` loads; --save-test writes the held-out
+    prompts as a bench JSONL workload."""
+    from meshserve.model.length_predictor import LearnedPredictor
+    from meshserve.serving.bench import load_jsonl_workload
+
+    predictor, workload = tmp_path / "p.npz", tmp_path / "test.jsonl"
+    assert length_eval.main(["--num-requests", "200", "--save-predictor", str(predictor),
+                             "--save-test", str(workload)]) == 0
+    assert LearnedPredictor.load(predictor, background=False).is_trained
+    requests = load_jsonl_workload(workload, vocab_size=49152)
+    assert len(requests) == 60 and all(r.num_output_tokens in (128, 256, 512) for r in requests)
+    with pytest.raises(SystemExit):
+        length_eval.main(["--workload", "planted", "--workload", "planted",
+                          "--save-test", str(workload)])
