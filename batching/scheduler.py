@@ -91,6 +91,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import heapq
+import itertools
 import math
 import numbers
 from typing import Protocol, Sequence
@@ -439,24 +441,26 @@ class Scheduler:
 
     # What the policies use to order and admit requests.
 
-    def waiting_order(self) -> list[Request]:
-        """The waiting requests in the order admission takes them.
+    def waiting_order(self, limit: int | None = None) -> list[Request]:
+        """The first `limit` (default: all) waiting requests in the order admission takes them.
 
         "fcfs": the queue (higher priority first, then arrival; a preempted request at the
         front). "predicted": within a priority, requests that were preempted first (they hold
         outputs already, and their users are waiting), then by `predicted_cost`, lowest first.
+        Either way a step costs O(queue) at most, not a copy or a full sort of a long queue.
         """
         if self.config.ordering == "fcfs":
-            return list(self.waiting)
-        return sorted(self.waiting, key=lambda r: (-r.priority, r.num_preemptions == 0,
-                                                   self.predicted_cost(r)))
+            return list(itertools.islice(self.waiting, limit))
+        key = lambda r: (-r.priority, r.num_preemptions == 0, self.predicted_cost(r))  # noqa: E731
+        if limit is None:
+            return sorted(self.waiting, key=key)
+        return heapq.nsmallest(limit, self.waiting, key=key)
 
     def predicted_cost(self, request: Request) -> float:
         """Tokens the request still has to compute, by its predicted median output length,
         less `aging_tokens_per_step` for every step it has waited: shortest first, but a long
         request's cost keeps falling until it is first, so nothing starves."""
-        prediction = request.predicted_length
-        num_outputs = prediction.median if prediction is not None else request.params.max_tokens
+        num_outputs = _predicted_outputs(request)
         waited = self.num_steps - request.arrival_step
         return (request.num_uncomputed + max(num_outputs - len(request.output_token_ids), 0)
                 - self.config.aging_tokens_per_step * waited)
@@ -869,7 +873,7 @@ class ContinuousPolicy:
         seat empty that FCFS would have filled. Under "predicted" ordering the waiting order
         already puts similar lengths together, so it is kept as it is.
         """
-        window = scheduler.waiting_order()[:1 + self.config.admission_lookahead]
+        window = scheduler.waiting_order(1 + self.config.admission_lookahead)
         if not window or self.config.ordering == "predicted":
             return window
         head, rest = window[0], window[1:]
@@ -937,10 +941,10 @@ class StaticPolicy:
         by the requests of the next `admission_lookahead` whose prompt and predicted output
         lengths are closest to its own, so that the batch pads little and ends together (the
         brief's grouping by predicted length)."""
-        order = scheduler.waiting_order()
+        order = scheduler.waiting_order(1 + self.config.admission_lookahead)
         if self.config.ordering != "predicted" or not order:
             return order
-        head, window = order[0], order[1:1 + self.config.admission_lookahead]
+        head, window = order[0], order[1:]
 
         def distance(r: Request) -> int:
             return (abs(r.num_prompt_tokens - head.num_prompt_tokens)
@@ -978,6 +982,7 @@ class StaticPolicy:
 
 
 def _predicted_outputs(request: Request) -> int:
+    """The request's predicted median output length; max_tokens without a prediction."""
     prediction = request.predicted_length
     return prediction.median if prediction is not None else request.params.max_tokens
 

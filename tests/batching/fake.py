@@ -147,6 +147,16 @@ def make_request(request_id: str, prompt_len: int, *, first: int = 1, **params) 
     return Request(request_id, prompt, SamplingParams(**params), arrival_time=0.0)
 
 
+def storm_requests(seed: int) -> list[Request]:
+    """64 requests of 60-63 prompt tokens (4 pages of 16) and 8-39 outputs (1-2 more pages):
+    with 128 pages of 16 and 32 seats, the prompts alone fill the cache, and every request
+    still grows."""
+    rng = np.random.default_rng(seed)
+    return [make_request(f"r{i}", int(rng.integers(60, 64)), first=int(rng.integers(97)),
+                         max_tokens=int(rng.integers(8, 40)), ignore_eos=True)
+            for i in range(64)]
+
+
 def random_requests(rng: np.random.Generator, num: int, *, max_prompt: int,
                     max_output: int) -> list[Request]:
     return [make_request(f"r{i}", int(rng.integers(1, max_prompt + 1)), first=int(rng.integers(97)),

@@ -3,12 +3,11 @@ victim chosen by cost. Driven by the fake runner, so the numbers are exact."""
 
 import dataclasses
 
-import numpy as np
 import pytest
 
 from meshserve.batching.pages import num_pages_for
 from meshserve.batching.scheduler import DEFAULT_KV_WATERMARK, Scheduler, SchedulerConfig
-from tests.batching.fake import FakeRunner, drive, make_request, reference_outputs
+from tests.batching.fake import FakeRunner, drive, make_request, reference_outputs, storm_requests
 
 
 def _scheduler(**overrides) -> Scheduler:
@@ -107,10 +106,7 @@ def _storm(kv_watermark: float, seed: int) -> dict[str, int]:
         num_pages=129, page_size=16, max_num_seqs=32, max_num_batched_tokens=256,
         prefill_chunk=64, max_model_len=512, bound_padded_prefill=False,
         enable_prefix_caching=False, kv_watermark=kv_watermark))
-    rng = np.random.default_rng(seed)
-    requests = [make_request(f"r{i}", int(rng.integers(60, 64)), first=int(rng.integers(97)),
-                             max_tokens=int(rng.integers(8, 40)), ignore_eos=True)
-                for i in range(64)]
+    requests = storm_requests(seed)
     for r in requests:
         s.add(r)
     lost = []

@@ -13,7 +13,8 @@ import pytest
 
 from meshserve.batching.length import LengthFeatures, LengthPrediction, PriorPredictor
 from meshserve.batching.scheduler import Scheduler, SchedulerConfig
-from tests.batching.fake import FakeRunner, ScriptedRunner, drive, make_request, reference_outputs
+from tests.batching.fake import (FakeRunner, ScriptedRunner, drive, make_request,
+                                 reference_outputs, storm_requests)
 
 EOS = 0
 
@@ -97,10 +98,7 @@ def _storm_preemptions(ordering: str, seed: int) -> int:
     """The storm of test_kv_accounting (prompts that fill the cache, outputs that grow),
     with the default watermark."""
     s = Scheduler(_config(ordering=ordering, max_num_seqs=32))
-    rng = np.random.default_rng(seed)
-    requests = [make_request(f"r{i}", int(rng.integers(60, 64)), first=int(rng.integers(97)),
-                             max_tokens=int(rng.integers(8, 40)), ignore_eos=True)
-                for i in range(64)]
+    requests = storm_requests(seed)
     for r in requests:
         s.add(r)
     drive(s, FakeRunner(num_pages=129, page_size=16))

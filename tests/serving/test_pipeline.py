@@ -16,11 +16,8 @@ from meshserve.serving.engine import Engine, EngineConfig
 from meshserve.serving.metrics import ServerMetrics
 from meshserve.sharding.stages import pad_layers, stage_layout
 from tests.conftest import random_params
-from tests.serving.test_meshes import ENGINE, PROMPTS, _assert_same, _run
+from tests.serving.test_meshes import ENGINE, _assert_same, _run
 from tests.sharding.compiled import Hlo
-
-SMOLLM2_MESHES = ["stage=2", "stage=3", "stage=4", "stage=2,model=3"]
-
 
 def _model(preset: str = "tiny-llama", **overrides):
     config = ModelConfig.preset(preset, **overrides)
@@ -220,19 +217,3 @@ def test_layers_are_split_contiguously_and_padding_layers_are_exact():
     assert not q[5].any() and q[4].any()  # stage 2's second layer is the identity
     requests = _requests(512, count=4, seed=3)
     _assert_same(_reference(padded, requests), _reference(model, requests))
-
-
-@pytest.fixture(scope="module")
-def smollm2_reference(smollm2_pretrained):
-    requests = [(p, SamplingParams(temperature=0, max_tokens=6, logprobs=5)) for p in PROMPTS]
-    engine = Engine(smollm2_pretrained.model, smollm2_pretrained.tokenizer, EngineConfig(**ENGINE))
-    return requests, _run(engine, requests)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("mesh", SMOLLM2_MESHES)
-def test_smollm2_tokens_and_logprobs_match_one_device(smollm2_pretrained, smollm2_reference, mesh):
-    requests, want = smollm2_reference
-    engine = Engine(smollm2_pretrained.model, smollm2_pretrained.tokenizer,
-                    EngineConfig(mesh=mesh, **ENGINE))
-    _assert_same(_run(engine, requests), want)
