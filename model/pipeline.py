@@ -39,9 +39,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from meshserve.batching.pipeline import (DECODE, IDLE, PREFILL, PipelineSchedule, UnitShape,
-                                         unit_results)
+                                         build_schedule, unit_results)
 from meshserve.model.attention import KVCache, SubBatch, init_kv_cache, paged_context
-from meshserve.model.runner import DeviceLayout, RunnerConfig, SampledRows
+from meshserve.model.runner import (DeviceLayout, PlanChannel, RunnerConfig, SampledRows,
+                                    output_sharding, peer_errors, to_devices)
 from meshserve.model.sampler import DeviceSampling, Sampled, host_sampling, sample
 from meshserve.model.transformer import RESIDUAL_AXES, apply_layers
 
@@ -89,22 +90,49 @@ class PipelineRunner:
         self._call = _compile(self.graphdef, layout, jax.tree.map(lambda a: a.sharding,
                                                                   self.params),
                               num_stages=self.num_stages, num_top=config.max_logprobs)
+        self.channel: PlanChannel | None = None  # set on process 0 of a multi-process run
 
     def execute(self, schedule: PipelineSchedule) -> list[list[SampledRows]]:
         """Runs the schedule; per round, per sub-batch of its plan, each row's sampled token."""
         assert schedule.shape == self.shape, (schedule.shape, self.shape)
-        units = jax.device_put(self.host_units(schedule), self._units_sharding)
-        kinds, ticks = jax.device_put((schedule.kinds, np.int32(schedule.num_ticks)),
-                                      self._replicated)
-        out, self.cache = self._call(self.params, self.cache, kinds, units, ticks)
-        started = time.perf_counter()
-        host = jax.device_get(out)  # the call's one copy to the host
+        with peer_errors(self.channel):
+            (out,) = self.run_calls([()], [self.host_arrays(schedule)])
+            started = time.perf_counter()
+            host = jax.device_get(out)  # the call's one copy to the host
         self.last_wait_seconds = time.perf_counter() - started
         last = self.num_stages - 1  # only the last stage samples: take its copy
         tokens, logprobs, top_ids, top_logprobs = (np.asarray(a)[:, last] for a in (
             host.tokens, host.logprobs, host.top_ids, host.top_logprobs))
         rounds = unit_results(schedule, tokens, logprobs, top_ids, top_logprobs)
         return [[SampledRows(*batch) for batch in batches] for batches in rounds]
+
+    def host_arrays(self, schedule: PipelineSchedule) -> tuple[PipelineUnits, np.ndarray,
+                                                                np.ndarray]:
+        """What the compiled call reads: the units, their kinds and the number of ticks."""
+        return (self.host_units(schedule), np.asarray(schedule.kinds, np.int32),
+                np.array(schedule.num_ticks, np.int32))
+
+    def template(self, key: tuple[int, ...] = ()) -> tuple[PipelineUnits, np.ndarray,
+                                                            np.ndarray]:
+        """Zero host arrays shaped like every call's (one shape serves every schedule)."""
+        return self.host_arrays(build_schedule([], self.shape))
+
+    def to_devices(self, arrays):
+        units, kinds, ticks = arrays
+        return (to_devices(units, self._units_sharding),
+                *to_devices((kinds, ticks), self._replicated))
+
+    def run_calls(self, keys, arrays) -> list:
+        """Dispatches the call for each entry of `arrays` (on process 0 of a multi-process run,
+        after sending it to the others: see `ModelRunner.run_calls`)."""
+        if self.channel is not None:
+            self.channel.publish_run(keys, arrays)
+        outs = []
+        for entry in arrays:
+            units, kinds, ticks = self.to_devices(entry)
+            out, self.cache = self._call(self.params, self.cache, kinds, units, ticks)
+            outs.append(out)
+        return outs
 
     def host_units(self, schedule: PipelineSchedule) -> PipelineUnits:
         """The schedule as numpy leaves shaped for the call."""
@@ -146,7 +174,8 @@ def _compile(graphdef, layout: DeviceLayout, param_shardings, *, num_stages: int
     replicated = NamedSharding(layout.mesh, PartitionSpec())
     return jax.jit(mapped, in_shardings=(param_shardings, layout.cache, replicated,
                                          units_sharding, replicated),
-                   out_shardings=(NamedSharding(layout.mesh, out_spec), layout.cache),
+                   out_shardings=(output_sharding(layout, NamedSharding(layout.mesh, out_spec)),
+                                  layout.cache),
                    donate_argnums=(1,))
 
 

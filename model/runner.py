@@ -21,13 +21,14 @@ step runs on the default device. Knobs that change compiled shapes (and so cost 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
 from pathlib import Path
 from typing import Sequence
 
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +41,7 @@ from meshserve.batching.buckets import bucket_sizes, pick_bucket, token_bucket_s
 
 from meshserve.batching.plan import SamplingArrays, SubBatchPlan, empty_sub_batch, greedy_sampling
 from meshserve.model.attention import KVCache, SubBatch, init_kv_cache
-from meshserve.model.sampler import DeviceSampling, device_sampling
+from meshserve.model.sampler import DeviceSampling, host_sampling
 from meshserve.model.steps import sample_step
 
 _COMPILE_EVENT_PREFIX = "/jax/core/compile/"
@@ -96,6 +97,23 @@ class DeviceLayout:
 
 
 @dataclasses.dataclass(frozen=True)
+class HostCall:
+    """One compiled call's inputs on the host, padded to their bucket."""
+
+    key: tuple[int, int, int, int]  # (rows per replica, tokens, pages, has targets): the bucket
+    arrays: tuple[SubBatch, DeviceSampling]  # numpy leaves
+    index: np.ndarray  # where each plan row sits in the padded rows
+
+
+class PlanChannel(Protocol):
+    """How process 0's runner tells the other processes what to run (multi-process only)."""
+
+    def publish_run(self, keys: Sequence[tuple[int, ...]], arrays: Sequence[Any]) -> None: ...
+
+    def failure(self, error: BaseException) -> BaseException: ...
+
+
+@dataclasses.dataclass(frozen=True)
 class SampledRows:
     """Host copy of one sub-batch's result, padding removed."""
 
@@ -134,6 +152,7 @@ class ModelRunner:
             constrain=None if layout is None else layout.constrain,
             replica_axes=() if layout is None else layout.replica_axes)
         self._step = compile_step(step, layout)
+        self.channel: PlanChannel | None = None  # set on process 0 of a multi-process run
 
     def padded_shape(self, plan: SubBatchPlan) -> tuple[int, int, int]:
         """The bucket `(rows per replica, tokens, pages)` that `plan` runs at."""
@@ -154,21 +173,55 @@ class ModelRunner:
         """
         if sampling is None:
             sampling = [greedy_sampling(b.num_rows) for b in sub_batches]
-        dispatched = [self._dispatch(plan, s) for plan, s in zip(sub_batches, sampling)]
-        started = time.perf_counter()
-        host = jax.device_get([out for out, _ in dispatched])  # the step's one copy to the host
+        calls = [self.host_call(plan, s) for plan, s in zip(sub_batches, sampling)]
+        with peer_errors(self.channel):
+            outs = self.run_calls([c.key for c in calls], [c.arrays for c in calls])
+            started = time.perf_counter()
+            host = jax.device_get(outs)  # the step's one copy to the host
         self.last_wait_seconds = time.perf_counter() - started
-        return [_unpad(o, p, index) for o, p, (_, index) in zip(host, sub_batches, dispatched)]
+        return [_unpad(o, p, c.index) for o, p, c in zip(host, sub_batches, calls)]
 
-    def _dispatch(self, plan: SubBatchPlan, sampling: SamplingArrays):
+    def host_call(self, plan: SubBatchPlan, sampling: SamplingArrays) -> HostCall:
+        """`plan`'s host arrays, padded to its bucket: exactly what its compiled call reads."""
         shape = self.padded_shape(plan)
         index = self.row_index(plan, shape[0])
         rows = shape[0] * self.num_replicas
+        batch = pad_sub_batch(plan, (rows, *shape[1:]), index=index)
+        if sampling.banned_ids is not None and sampling.banned_ids.shape[1] > self.config.max_stop_ids:
+            raise ValueError(f"{sampling.banned_ids.shape[1]} stop token ids exceed max_stop_ids="
+                             f"{self.config.max_stop_ids}")
+        host = host_sampling(sampling, min_tokens=sampling.min_tokens,
+                             banned_ids=sampling.banned_ids, rows=rows,
+                             history_width=shape[2] * self.config.page_size,
+                             banned_width=self.config.max_stop_ids, index=index)
+        return HostCall(key=(*shape, int(plan.targets is not None)), arrays=(batch, host),
+                        index=index)
+
+    def template(self, key: tuple[int, ...]) -> tuple[SubBatch, DeviceSampling]:
+        """Zero host arrays shaped like those of any call with bucket `key` (see `host_call`)."""
+        rows, tokens, pages, has_targets = key
+        empty = empty_sub_batch(rows * self.num_replicas, tokens, pages,
+                                with_targets=bool(has_targets))
+        replicas = np.repeat(np.arange(self.num_replicas, dtype=np.int32), rows)
+        plan = dataclasses.replace(empty, replicas=replicas)
+        return self.host_call(plan, greedy_sampling(plan.num_rows)).arrays
+
+    def run_calls(self, keys: Sequence[tuple[int, ...]],
+                  arrays: Sequence[tuple[SubBatch, DeviceSampling]]) -> list:
+        """Dispatches one compiled call per entry of `arrays`; returns their device outputs.
+
+        With a plan channel (multi-process, on process 0) the calls are first sent to the other
+        processes, which run the same calls on their own devices (`meshserve.serving.multihost`).
+        """
+        if self.channel is not None:
+            self.channel.publish_run(keys, arrays)
         sharding = None if self.layout is None else self.layout.rows
-        batch = pad_sub_batch(plan, (rows, *shape[1:]), index=index, sharding=sharding)
-        device = self._device_sampling(sampling, rows, shape[2], index, sharding)
-        (out,), self.cache = self._step(self.params, self.cache, (batch,), (device,))
-        return out, index
+        outs = []
+        for batch, sampling in arrays:
+            batch, sampling = to_devices((batch, sampling), sharding)
+            (out,), self.cache = self._step(self.params, self.cache, (batch,), (sampling,))
+            outs.append(out)
+        return outs
 
     def row_index(self, plan: SubBatchPlan, rows_per_replica: int) -> np.ndarray:
         """Where each plan row sits in the padded sub-batch: block r holds replica r's rows."""
@@ -179,16 +232,6 @@ class ModelRunner:
             (mine,) = np.nonzero(replicas == r)
             index[mine] = r * rows_per_replica + np.arange(mine.size)
         return index
-
-    def _device_sampling(self, s: SamplingArrays, rows: int, pages: int, index: np.ndarray,
-                         sharding) -> DeviceSampling:
-        if s.banned_ids is not None and s.banned_ids.shape[1] > self.config.max_stop_ids:
-            raise ValueError(f"{s.banned_ids.shape[1]} stop token ids exceed max_stop_ids="
-                             f"{self.config.max_stop_ids}")
-        return device_sampling(s, min_tokens=s.min_tokens, banned_ids=s.banned_ids, rows=rows,
-                               history_width=pages * self.config.page_size,
-                               banned_width=self.config.max_stop_ids, index=index,
-                               sharding=sharding)
 
     def warmup_shapes(self, *, max_batched_tokens: int) -> list[tuple[int, int, int]]:
         """Every bucket a step may use: decode shapes, then prefill shapes whose padded size
@@ -209,22 +252,44 @@ class ModelRunner:
 
 
 def pad_sub_batch(plan: SubBatchPlan, shape: tuple[int, int, int], *,
-                  index: np.ndarray | None = None, sharding=None) -> SubBatch:
-    """Device arrays of `plan` padded to the bucket `(rows, tokens, pages)`, plan row i at padded
-    row `index[i]` (default: in order).
-
-    One `device_put` moves the whole sub-batch; `jnp.asarray` would compile a conversion per new
-    shape.
-    """
+                  index: np.ndarray | None = None) -> SubBatch:
+    """Host arrays of `plan` padded to the bucket `(rows, tokens, pages)`, plan row i at padded
+    row `index[i]` (default: in order)."""
     rows, tokens, pages = shape
     index = np.arange(plan.num_rows) if index is None else index
     pad = functools.partial(_pad_to, rows=rows, index=index)
-    return jax.device_put(SubBatch(
+    return SubBatch(
         tokens=pad(plan.tokens, tokens), positions=pad(plan.positions, tokens),
         num_new=pad(plan.num_new), kv_lens=pad(plan.kv_lens),
         page_table=pad(plan.page_table, pages),
         targets=None if plan.targets is None else pad(plan.targets, tokens),
-    ), sharding)
+    )
+
+
+def to_devices(tree, sharding):
+    """`tree`'s numpy leaves on device, placed by `sharding` (None: the default device).
+
+    One `device_put` moves a whole tree (`jnp.asarray` would compile a conversion per shape).
+    With several processes each one builds only its own devices' shards from its copy of the
+    (identical) host arrays: `device_put` would first compare the copies across processes, a
+    collective per transfer.
+    """
+    if sharding is None or jax.process_count() == 1:
+        return jax.device_put(tree, sharding)
+    return jax.tree.map(
+        lambda a: jax.make_array_from_callback(a.shape, sharding, lambda index: a[index]), tree)
+
+
+@contextlib.contextmanager
+def peer_errors(channel: PlanChannel | None):
+    """Turns a failed collective of a multi-process step into the channel's account of it (which
+    process was lost)."""
+    try:
+        yield
+    except Exception as err:
+        if channel is None:
+            raise
+        raise channel.failure(err) from err
 
 
 def _pad_to(array: np.ndarray, width: int | None = None, *, rows: int,
@@ -263,7 +328,16 @@ def compile_step(step: Callable, layout: DeviceLayout | None) -> Callable:
                              out_specs=(rows, cache), axis_names=set(layout.replica_axes),
                              check_vma=False)
     return jax.jit(step, in_shardings=(layout.params, layout.cache, layout.rows, layout.rows),
-                   out_shardings=(layout.rows, layout.cache), donate_argnums=(1,))
+                   out_shardings=(output_sharding(layout, layout.rows), layout.cache),
+                   donate_argnums=(1,))
+
+
+def output_sharding(layout: DeviceLayout, sharding: NamedSharding) -> NamedSharding:
+    """Where a step's sampled tokens land: `sharding`, or every device when the mesh spans
+    several processes, so that process 0 can read every row."""
+    if jax.process_count() == 1:
+        return sharding
+    return NamedSharding(layout.mesh, PartitionSpec())
 
 
 class CompileCounter:

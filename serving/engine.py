@@ -208,6 +208,15 @@ class Engine:
             self.warmup()
 
     def warmup(self, *, progress: bool = True) -> None:
+        """Compiles every bucket. In a multi-process job every process runs its own warm-up, at
+        the same point and in the same order, so the plan stream stays out of it."""
+        channel, self.runner.channel = self.runner.channel, None
+        try:
+            self._warmup(progress=progress)
+        finally:
+            self.runner.channel = channel
+
+    def _warmup(self, *, progress: bool) -> None:
         with CompileCounter() as compiles:
             if self.is_pipelined:  # one program runs every schedule
                 self.runner.execute(build_schedule([], self.runner.shape))

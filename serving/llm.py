@@ -6,19 +6,27 @@
 
     llm = LLM(model="smollm2-135m-instruct", mesh="data=2,model=4")  # or a MeshConfig
 
-Keyword arguments other than `dtype` and `seed` are `EngineConfig` fields. Weights are read one
+Keyword arguments other than `dtype`, `seed` and `cluster` are `EngineConfig` fields. Weights are read one
 tensor at a time and go to the mesh's devices already split (`meshserve.sharding.loading`).
 Requests run through the continuous-batching engine (or the static baseline with
 `policy="static"`); outputs come back in the order of the prompts.
+
+Many hosts: pass `cluster=ClusterConfig(...)` (or call `meshserve.serving.multihost.initialize`
+first) and run the same script on every process. Each process loads only its shards; process 0
+schedules and the others follow its plan stream. Every process makes the same `generate` calls,
+with the same arguments (checked), and every process gets process 0's outputs.
 """
 
 from __future__ import annotations
 
+import pickle
 from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
+from meshserve.batching import wire
 from meshserve.batching.sampling import SamplingParams
+from meshserve.serving import multihost
 from meshserve.sharding.loading import load_sharded
 from meshserve.serving.engine import Engine, EngineConfig
 from meshserve.serving.outputs import RequestOutput
@@ -28,12 +36,18 @@ Prompt = str | Sequence[int]
 
 class LLM:
     def __init__(self, model: str = "smollm2-135m-instruct", *, dtype: str = "float32",
-                 seed: int = 0, **engine_config: Any):
+                 seed: int = 0, cluster: multihost.ClusterConfig | None = None,
+                 **engine_config: Any):
         config = EngineConfig(**engine_config)  # fails fast, before loading weights
+        if cluster is not None and multihost.current() is None:
+            multihost.initialize(cluster)
+        self.cluster = multihost.current()
         pretrained = load_sharded(model, config.mesh_config, dtype=dtype, seed=seed)
         self.tokenizer = pretrained.tokenizer
         self.model_config = pretrained.config
         self.engine = Engine(pretrained.model, pretrained.tokenizer, config)
+        if self.cluster is not None and self.cluster.is_leader:
+            self.engine.runner.channel = self.cluster.stream
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -48,7 +62,39 @@ class LLM:
             for request_id in ids:  # all or nothing: no earlier prompt stays queued
                 self.engine.abort(request_id)
             raise
-        return self._run(ids, use_tqdm=use_tqdm)
+        if self.cluster is None:
+            return self._run(ids, use_tqdm=use_tqdm)
+        digest = wire.digest_words(repr((prompts, params)))
+        stream = self.cluster.stream
+        if self.cluster.is_leader:
+            stream.send(wire.BEGIN_CALL, digest)
+            outputs = self._run(ids, use_tqdm=use_tqdm)
+            stream.send(wire.END_CALL, payload=wire.bytes_to_payload(pickle.dumps(outputs)))
+            return outputs
+        return self._follow_call(ids, digest)
+
+    def _follow_call(self, ids: list[str], digest: tuple[int, ...]) -> list[RequestOutput]:
+        """A follower's `generate`: its own requests only checked the arguments; it runs process
+        0's steps and returns process 0's outputs."""
+        for request_id in ids:
+            self.engine.abort(request_id)
+        header, _ = multihost.follow_or_exit(self.engine.runner, self.cluster)
+        if header.command != wire.BEGIN_CALL:
+            self.cluster.abandon(f"process 0 sent {header.name} where a generate() call began: "
+                                 "every process must make the same LLM calls")
+        if header.words[:len(digest)] != digest:
+            self.cluster.abandon("its generate() call has other prompts or sampling params than "
+                                 "process 0's; every process must pass the same")
+        header, payload = multihost.follow_or_exit(self.engine.runner, self.cluster)
+        if header.command != wire.END_CALL:
+            self.cluster.abandon(f"process 0 sent {header.name} where a generate() call ended")
+        return pickle.loads(wire.payload_to_bytes(payload))
+
+    def shutdown(self) -> None:
+        """Multi-process: leaves the job together with the other processes (each one calls it).
+        Alone: nothing to do."""
+        if self.cluster is not None:
+            self.cluster.shutdown(self.engine.runner)
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
