@@ -9,7 +9,8 @@ Subcommands:
   bench      continuous vs static batching on a seeded workload or a JSONL file, offline or
              online, with the roofline, sweeps, the highest rate meeting SLOs, peers and plots
   serve      the gRPC server: streaming Generate, Abort, GetServerInfo, health, reflection,
-             admission control, drain on SIGTERM, Prometheus metrics (`--metrics-port`)
+             admission control, drain on SIGTERM, Prometheus metrics (`--metrics-port`); on
+             many hosts with --coordinator/--num-processes/--process-id (`serving.multihost`)
   convert    write a model (any `--model` form) as a meshserve checkpoint directory: orbax
              weights, config, tokenizer and manifest; `--model DIR` then loads it
   client     prompts to a running `serve` (`--target`), answers streamed; `--info`: GetServerInfo
@@ -43,13 +44,14 @@ from typing import Any, Iterator, Sequence
 
 from tqdm.auto import tqdm
 
+from meshserve.batching import wire
 from meshserve.batching.sampling import SamplingParams
 from meshserve.batching.scheduler import ORDERINGS
 from meshserve.model.checkpoint import check_destination, save_checkpoint
 from meshserve.model.config import weight_bytes
 from meshserve.model.hub import DEFAULT_MODEL
 from meshserve.model.pretrained import load_pretrained
-from meshserve.serving import latency, roofline
+from meshserve.serving import latency, multihost, roofline
 from meshserve.serving.client import Client, ClientError, StreamChunk
 from meshserve.serving.engine import EngineConfig
 from meshserve.serving.llm import LLM
@@ -116,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_args(commands.add_parser("bench", help="continuous vs static batching, side by side"))
     serve = commands.add_parser("serve", help="the gRPC server (meshserve.v1.Generation)")
     add_dataclass_args(serve, ServerConfig)
+    _cluster_args(serve)
+    _cluster_args(batch)
     for sub in (generate, batch, demo, roof, serve):
         _model_args(sub)
     convert = commands.add_parser("convert", help="write a model as a meshserve checkpoint")
@@ -128,6 +132,34 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parser(commands)
     _model_args(add_mesh_sweep_parser(commands))
     return parser
+
+
+def _cluster_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "many hosts (jax.distributed)",
+        "one process per host, one mesh over all their devices; process 0 serves, the others "
+        "follow its plan stream. Give all of --coordinator, --num-processes and --process-id, "
+        "or --distributed to read them from the cluster (SLURM, Open MPI, Kubernetes).")
+    group.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                       help="where process 0 runs JAX's coordination service")
+    group.add_argument("--num-processes", type=int, default=None)
+    group.add_argument("--process-id", type=int, default=None)
+    group.add_argument("--distributed", action="store_true",
+                       help="join a multi-process job, auto-detecting what is not given")
+    group.add_argument("--peer-timeout", type=float, default=multihost.DEFAULT_PEER_TIMEOUT,
+                       help="seconds a silent process is waited for before the job fails")
+
+
+def _cluster_config(args: argparse.Namespace) -> multihost.ClusterConfig | None:
+    """The job to join, or None to run alone."""
+    given = [args.coordinator, args.num_processes, args.process_id]
+    if all(v is None for v in given) and not args.distributed:
+        return None
+    if any(v is None for v in given) and not args.distributed:
+        raise ValueError("give all of --coordinator, --num-processes and --process-id, or add "
+                         "--distributed to read the missing ones from the cluster environment")
+    return multihost.ClusterConfig(coordinator=args.coordinator, num_processes=args.num_processes,
+                                   process_id=args.process_id, peer_timeout=args.peer_timeout)
 
 
 def _bench_args(bench: argparse.ArgumentParser) -> None:
@@ -208,21 +240,59 @@ def _client_args(client: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Serves until SIGTERM or SIGINT (drain, exit 0) or an engine failure (exit 1)."""
+    """Serves until SIGTERM or SIGINT (drain, exit 0) or an engine failure (exit 1).
+
+    In a multi-process job only process 0 serves; the others follow its plan stream
+    (`_follow`) until it stops them.
+    """
     config = dataclass_from_args(ServerConfig, args)
-    llm = _load(args, needs_tokenizer=False)
+    cluster_config = _cluster_config(args)
+    llm = _load(args, needs_tokenizer=False, cluster=cluster_config)
+    cluster = llm.cluster
+    if cluster is not None and not cluster.is_leader:
+        return _follow(llm, cluster)
     server = GenerationServer(llm.engine, config)
+    if cluster is not None:
+        cluster.on_failure(server.peer_lost)
     port = server.start()
+    processes = "" if cluster is None else f", {cluster.num_processes} processes"
     print(f"meshserve: serving {llm.model_config.name} on {config.host}:{port} "
-          f"(mesh {llm.engine.config.mesh})", flush=True)
+          f"(mesh {llm.engine.config.mesh}{processes})", flush=True)
     drain = lambda *_: threading.Thread(target=server.drain, daemon=True).start()  # noqa: E731
     signal.signal(signal.SIGTERM, drain)
     signal.signal(signal.SIGINT, drain)
     if server.wait():
+        if cluster is not None:
+            stats = cluster.stream.stats()
+            cluster.shutdown()  # STOP: every follower leaves with us
+            print(f"meshserve: plan stream: {stats['messages']} messages, "
+                  f"{stats['ms_per_message']:.2f} ms each", flush=True)
         print("meshserve: drained and stopped", flush=True)
         return 0
-    print("meshserve: error: the engine failed; see the log above", file=sys.stderr, flush=True)
+    if cluster is not None and cluster.failed is not None:
+        print(f"meshserve: error: {cluster.failed}", file=sys.stderr, flush=True)
+    else:
+        print("meshserve: error: the engine failed; see the log above", file=sys.stderr,
+              flush=True)
     return 1
+
+
+def _follow(llm: LLM, cluster: multihost.Cluster) -> int:
+    """A follower of `serve`: runs process 0's steps until process 0 stops the job. SIGTERM
+    and SIGINT here are noted and otherwise ignored: process 0 drains, then stops everyone."""
+    ignore = lambda *_: print(  # noqa: E731
+        f"meshserve: process {cluster.process_id}: stopping is process 0's call; following "
+        "until it drains and stops the job", flush=True)
+    signal.signal(signal.SIGTERM, ignore)
+    signal.signal(signal.SIGINT, ignore)
+    print(f"meshserve: process {cluster.process_id} of {cluster.num_processes} following "
+          f"process 0 (mesh {llm.engine.config.mesh})", flush=True)
+    header, _ = multihost.follow_or_exit(llm.engine.runner, cluster)
+    if header.command != wire.STOP:
+        cluster.abandon(f"process 0 sent {header.name} to a serving follower")
+    cluster.shutdown()
+    print(f"meshserve: process {cluster.process_id} stopped with process 0", flush=True)
+    return 0
 
 
 def run_client(args: argparse.Namespace) -> None:
@@ -444,10 +514,11 @@ def _print_latencies(results: dict) -> None:
                   f"{goodput['slos']['name']}")
 
 
-def _load(args: argparse.Namespace, *, needs_tokenizer: bool, warmup: bool = True) -> LLM:
+def _load(args: argparse.Namespace, *, needs_tokenizer: bool, warmup: bool = True,
+          cluster: multihost.ClusterConfig | None = None) -> LLM:
     """The model and engine; bad options and a missing tokenizer fail before the warm-up."""
     config = dataclass_from_args(EngineConfig, args)
-    llm = LLM(model=args.model, dtype=args.dtype,
+    llm = LLM(model=args.model, dtype=args.dtype, cluster=cluster,
               **(dataclasses.asdict(config) | {"warmup": False}))
     if needs_tokenizer and llm.tokenizer is None:
         raise ValueError(f"model {args.model!r} has no tokenizer; pass a GGUF file or an HF "
@@ -543,6 +614,9 @@ def finished_ids(path: Path) -> set[str]:
 
 def run_batch(args: argparse.Namespace, input_path: Path, output_path: Path, *,
               show: bool) -> None:
+    cluster_config = _cluster_config(args) if hasattr(args, "coordinator") else None
+    if cluster_config is not None:
+        return _run_batch_on_cluster(args, cluster_config, input_path, output_path, show=show)
     entries = list(read_requests(input_path))
     done = finished_ids(output_path)
     todo = [e for e in entries if e["id"] not in done]
@@ -551,10 +625,50 @@ def run_batch(args: argparse.Namespace, input_path: Path, output_path: Path, *,
     if not todo:
         return
     llm = _load(args, needs_tokenizer=any(e["kind"] != "prompt_token_ids" for e in todo))
+    _run_entries(llm, todo, output_path, show=show)
+
+
+def _run_entries(llm: LLM, todo: list[dict], output_path: Path, *, show: bool) -> None:
     for entry in todo:
         prompt = _chat(llm, entry["value"]) if entry["kind"] == "messages" else entry["value"]
         llm.engine.add_request(prompt, entry["params"], request_id=entry["id"])
     _drain_to_file(llm, output_path, len(todo), show=show)
+
+
+def _run_batch_on_cluster(args: argparse.Namespace, cluster_config: multihost.ClusterConfig,
+                          input_path: Path, output_path: Path, *, show: bool) -> None:
+    """`batch` on many processes: process 0 reads the input, schedules and writes the output;
+    the others follow its plan stream until it stops them. Every process joins before anything
+    is read, so an input with nothing left to run still ends the job cleanly."""
+    llm = _load(args, needs_tokenizer=False, cluster=cluster_config)
+    cluster = llm.cluster
+    if not cluster.is_leader:
+        if _follow(llm, cluster) != 0:
+            raise RuntimeError("the job failed")
+        return
+    try:
+        entries = list(read_requests(input_path))
+        done = finished_ids(output_path)
+        todo = [e for e in entries if e["id"] not in done]
+        print(f"{len(entries)} requests, {len(done & {e['id'] for e in entries})} already done, "
+              f"{len(todo)} to run on {cluster.num_processes} processes")
+        if todo and llm.tokenizer is None and any(e["kind"] != "prompt_token_ids" for e in todo):
+            raise ValueError(f"model {args.model!r} has no tokenizer; give prompt_token_ids")
+        if todo:
+            _run_entries(llm, todo, output_path, show=show)
+            _print_plan_stream(llm, cluster)
+    finally:
+        if cluster.failed is None:
+            cluster.shutdown()  # STOP: the followers leave with us, also after bad input
+
+
+def _print_plan_stream(llm: LLM, cluster: multihost.Cluster) -> None:
+    """How much of the step time went to sending plans (warm-up is not in it)."""
+    stream, stats = cluster.stream, llm.engine.stats
+    steps = max(stats.num_steps, 1)
+    print(f"plan stream: {stream.num_messages} messages, {stream.seconds * 1e3 / steps:.2f} ms "
+          f"per step ({stream.seconds / max(stats.step_seconds, 1e-9):.1%} of step time), "
+          f"{4 * stream.num_payload_words / steps / 1024:.1f} KiB per step")
 
 
 def _drain_to_file(llm: LLM, output_path: Path, total: int, *, show: bool) -> None:

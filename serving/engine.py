@@ -36,6 +36,7 @@ from meshserve.model.runner import (CompileCounter, ModelRunner, RunnerConfig, S
                                     enable_compilation_cache)
 from meshserve.model.pipeline import PipelineRunner
 from meshserve.model.tokenizer import IncrementalDecoder, Tokenizer
+from meshserve.serving.multihost import payload_sizes
 from meshserve.serving.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from meshserve.sharding.layout import prepare
 from meshserve.sharding.mesh import MeshConfig
@@ -209,21 +210,23 @@ class Engine:
 
     def warmup(self, *, progress: bool = True) -> None:
         """Compiles every bucket. In a multi-process job every process runs its own warm-up, at
-        the same point and in the same order, so the plan stream stays out of it."""
+        the same point and in the same order (the plan stream stays out of it), and then the
+        broadcast of every plan size the buckets can send."""
         channel, self.runner.channel = self.runner.channel, None
         try:
-            self._warmup(progress=progress)
+            with CompileCounter() as compiles:
+                if self.is_pipelined:  # one program runs every schedule
+                    keys = [()]
+                    self.runner.execute(build_schedule([], self.runner.shape))
+                else:
+                    shapes = self.runner.warmup_shapes(
+                        max_batched_tokens=self.config.max_num_batched_tokens)
+                    keys = [(*shape, targets) for shape in shapes for targets in (0, 1)]
+                    self.runner.warmup(shapes, progress=progress)
+                if channel is not None:
+                    channel.warmup(payload_sizes(self.runner, keys))
         finally:
             self.runner.channel = channel
-
-    def _warmup(self, *, progress: bool) -> None:
-        with CompileCounter() as compiles:
-            if self.is_pipelined:  # one program runs every schedule
-                self.runner.execute(build_schedule([], self.runner.shape))
-            else:
-                shapes = self.runner.warmup_shapes(
-                    max_batched_tokens=self.config.max_num_batched_tokens)
-                self.runner.warmup(shapes, progress=progress)
         self.stats.warmup_compiles += compiles.count
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,

@@ -19,6 +19,7 @@ with the same arguments (checked), and every process gets process 0's outputs.
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from typing import Any, Sequence
 
@@ -45,9 +46,12 @@ class LLM:
         pretrained = load_sharded(model, config.mesh_config, dtype=dtype, seed=seed)
         self.tokenizer = pretrained.tokenizer
         self.model_config = pretrained.config
-        self.engine = Engine(pretrained.model, pretrained.tokenizer, config)
-        if self.cluster is not None and self.cluster.is_leader:
+        self.engine = Engine(pretrained.model, pretrained.tokenizer,
+                             dataclasses.replace(config, warmup=False))
+        if self.cluster is not None:
             self.engine.runner.channel = self.cluster.stream
+        if config.warmup:
+            self.engine.warmup()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -69,7 +73,7 @@ class LLM:
         if self.cluster.is_leader:
             stream.send(wire.BEGIN_CALL, digest)
             outputs = self._run(ids, use_tqdm=use_tqdm)
-            stream.send(wire.END_CALL, payload=wire.bytes_to_payload(pickle.dumps(outputs)))
+            stream.send(wire.END_CALL, payloads=[wire.bytes_to_payload(pickle.dumps(outputs))])
             return outputs
         return self._follow_call(ids, digest)
 
@@ -85,10 +89,10 @@ class LLM:
         if header.words[:len(digest)] != digest:
             self.cluster.abandon("its generate() call has other prompts or sampling params than "
                                  "process 0's; every process must pass the same")
-        header, payload = multihost.follow_or_exit(self.engine.runner, self.cluster)
+        header, payloads = multihost.follow_or_exit(self.engine.runner, self.cluster)
         if header.command != wire.END_CALL:
             self.cluster.abandon(f"process 0 sent {header.name} where a generate() call ended")
-        return pickle.loads(wire.payload_to_bytes(payload))
+        return pickle.loads(wire.payload_to_bytes(payloads[0]))
 
     def shutdown(self) -> None:
         """Multi-process: leaves the job together with the other processes (each one calls it).

@@ -45,6 +45,9 @@ Counters:
                                             (EngineStats.compiles_after_warmup)
     meshserve:requests_rejected_total       requests refused at admission, by `reason`:
                                             queue_full, invalid, unauthenticated, draining, deadline
+    meshserve:plan_broadcast_seconds_total  multi-process only: time process 0 spent sending
+                                            step plans to the other processes (divide by the
+                                            step count of step_duration_seconds for per step)
 
 The engine's cumulative counters (preemptions, compiles) are read in `observe_step`, which adds
 what changed since the previous call, so the exported totals equal the engine's over its life.
@@ -140,6 +143,8 @@ class ServerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started.")
         self.generation_tokens = counter("generation_tokens", "Output tokens produced.")
         self.recompiles = counter("recompiles", "Programs compiled after warm-up.")
+        self.plan_broadcast_seconds = counter(
+            "plan_broadcast_seconds", "Seconds spent broadcasting step plans to other processes.")
         success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
                           labels + ("finished_reason",), registry=self.registry)
         self.request_success = {reason: success.labels(model_name, reason)
@@ -154,6 +159,7 @@ class ServerMetrics:
         self._num_preemptions = 0
         self._num_cached_tokens = 0
         self._compiles = 0
+        self._broadcast_seconds = 0.0
         self._http: tuple | None = None  # (server, thread) of start_http_server
 
     # -- the engine loop ------------------------------------------------------------------------
@@ -172,6 +178,10 @@ class ServerMetrics:
         self._num_cached_tokens = _add_growth(self.prefix_cache_hits, self._num_cached_tokens,
                                               scheduler.num_cached_tokens)
         self._compiles = _add_growth(self.recompiles, self._compiles, stats.compiles_after_warmup)
+        channel = engine.runner.channel
+        if channel is not None:
+            self._broadcast_seconds = _add_growth(self.plan_broadcast_seconds,
+                                                  self._broadcast_seconds, channel.seconds)
         self.num_requests_running.set(scheduler.num_running)
         self.num_requests_waiting.set(scheduler.num_waiting)
         usage = scheduler.kv_usage()
@@ -255,7 +265,7 @@ class ServerMetrics:
         thread.join()
 
 
-def _add_growth(counter, last: int, now: int) -> int:
+def _add_growth(counter, last: float, now: float) -> float:
     """Adds `now - last` of a cumulative engine counter to `counter`; returns `now`."""
     if now > last:
         counter.inc(now - last)

@@ -299,49 +299,63 @@ class PlanStream:
     # -- process 0 ------------------------------------------------------------------------------
 
     def publish_run(self, keys: Sequence[tuple[int, ...]], arrays: Sequence[Any]) -> None:
-        """Sends one RUN: the calls' bucket keys in the header, their arrays as the payload."""
-        leaves = [leaf for entry in arrays for leaf in jax.tree.leaves(entry)]
-        self.send(wire.RUN, _key_words(keys), wire.pack(leaves))
+        """Sends one RUN: the calls' bucket keys in the header, then each call's arrays as one
+        payload (so payload sizes are those of the warmed-up buckets). Followers call their
+        runner's `run_calls` too, which must not send: only process 0 does."""
+        if not self.cluster.is_leader:
+            return
+        payloads = [wire.pack(jax.tree.leaves(entry)) for entry in arrays]
+        self.send(wire.RUN, _key_words(keys), payloads)
 
     def send(self, command: int, words: Sequence[int] = (),
-             payload: np.ndarray | None = None) -> None:
+             payloads: Sequence[np.ndarray] = ()) -> None:
         if self.cluster.failed is not None:
             raise self.cluster.failed
         header = wire.Header(command=command, sequence=self.sequence,
-                             payload_words=0 if payload is None else payload.size,
-                             words=tuple(words))
+                             payload_words=sum(p.size for p in payloads), words=tuple(words))
         started = time.perf_counter()
         try:
             _broadcast(header.encode())
-            if payload is not None:
+            for payload in payloads:
                 _broadcast(payload)
         except Exception as err:
             raise self.cluster.failure(err) from err
-        self._count(started, payload)
+        self._count(started, payloads)
         self.stopped |= command == wire.STOP
+
+    def warmup(self, payload_words: Sequence[int]) -> None:
+        """Compiles the broadcast of a header and of each payload size, on every process at the
+        same point (outside the message sequence), so serving compiles nothing new."""
+        for size in sorted({wire.HEADER_WORDS, *payload_words}):
+            _broadcast(np.zeros(size, np.int32))
 
     # -- followers ------------------------------------------------------------------------------
 
-    def receive(self) -> tuple[wire.Header, np.ndarray | None]:
-        """The next message from process 0 (blocks until it is sent)."""
+    def receive(self, payload_sizes: Callable[[wire.Header], Sequence[int]] = lambda h: (
+            [h.payload_words] if h.payload_words else [])) -> tuple[wire.Header, list[np.ndarray]]:
+        """The next message from process 0 (blocks until it is sent): its header, and its
+        payloads, sized by `payload_sizes(header)` (default: one of `payload_words`)."""
         started = time.perf_counter()
         header = wire.Header.decode(_broadcast(np.zeros(wire.HEADER_WORDS, np.int32)),
                                     wire.HEADER_WORDS - 4)
         if header.sequence != self.sequence:
             raise RuntimeError(f"plan message {header.sequence} arrived where "
                                f"{self.sequence} was due: the processes are out of step")
-        payload = None
-        if header.payload_words:
-            payload = _broadcast(np.zeros(header.payload_words, np.int32))
-        self._count(started, payload)
+        sizes = list(payload_sizes(header))
+        if sum(sizes) != header.payload_words:
+            raise RuntimeError(f"a {header.name} message of {header.payload_words} payload words "
+                               f"does not match the expected {sum(sizes)}: the processes do not "
+                               "run the same configuration")
+        payloads = [_broadcast(np.zeros(size, np.int32)) for size in sizes]
+        self._count(started, payloads)
         self.stopped |= header.command == wire.STOP
-        return header, payload
+        return header, payloads
 
-    def _count(self, started: float, payload: np.ndarray | None) -> None:
+    def _count(self, started: float, payloads: Sequence[np.ndarray]) -> None:
         self.seconds += time.perf_counter() - started
         self.sequence += 1
         self.num_messages += 1
-        self.num_payload_words += 0 if payload is None else payload.size
+        self.num_payload_words += sum(p.size for p in payloads)
 
     def failure(self, error: BaseException) -> PeerLost:
         return self.cluster.failure(error)
@@ -352,32 +366,44 @@ class PlanStream:
                 "ms_per_message": 1e3 * self.seconds / max(self.num_messages, 1)}
 
 
-def follow(runner, stream: PlanStream) -> tuple[wire.Header, np.ndarray | None]:
+def follow(runner, stream: PlanStream) -> tuple[wire.Header, list[np.ndarray]]:
     """Runs process 0's RUN messages on this process's devices until another command (not NOOP)
     arrives; returns it. `runner` is this process's `ModelRunner` or `PipelineRunner`, built
     exactly as process 0 built its own."""
     templates: dict[tuple[int, ...], tuple[list, Any]] = {}
+
+    def template(key):
+        if key not in templates:
+            templates[key] = jax.tree.flatten(runner.template(key))
+        return templates[key]
+
+    def sizes(header: wire.Header) -> list[int]:
+        if header.command != wire.RUN:
+            return [header.payload_words] if header.payload_words else []
+        return [wire.payload_bucket(sum(leaf.size for leaf in template(key)[0]))
+                for key in _keys(header.words)]
+
     while True:
-        header, payload = stream.receive()
+        header, payloads = stream.receive(sizes)
         if header.command == wire.NOOP:
             continue
         if header.command != wire.RUN:
-            return header, payload
+            return header, payloads
         keys = _keys(header.words)
-        shapes = []
-        for key in keys:
-            if key not in templates:
-                templates[key] = jax.tree.flatten(runner.template(key))
-            shapes.append(templates[key])
-        leaves = wire.unpack(payload, [leaf for flat, _ in shapes for leaf in flat])
-        arrays, at = [], 0
-        for flat, treedef in shapes:
-            arrays.append(jax.tree.unflatten(treedef, leaves[at:at + len(flat)]))
-            at += len(flat)
+        arrays = []
+        for key, payload in zip(keys, payloads):
+            flat, treedef = template(key)
+            arrays.append(jax.tree.unflatten(treedef, wire.unpack(payload, flat)))
         runner.run_calls(keys, arrays)
 
 
-def follow_or_exit(runner, cluster: Cluster) -> tuple[wire.Header, np.ndarray | None]:
+def payload_sizes(runner, keys: Sequence[tuple[int, ...]]) -> list[int]:
+    """The padded payload size of a call with each bucket key (for `PlanStream.warmup`)."""
+    return [wire.payload_bucket(sum(leaf.size for leaf in jax.tree.leaves(runner.template(k))))
+            for k in keys]
+
+
+def follow_or_exit(runner, cluster: Cluster) -> tuple[wire.Header, list[np.ndarray]]:
     """`follow`, ending this process (status 1, with a message) if it fails: naming the lost
     peer when one stopped beating, else recording this process's own failure for the others."""
     try:

@@ -27,6 +27,10 @@ Failure: an exception in the engine loop sets health to NOT_SERVING, fails every
 with INTERNAL, and stops the server. `wait()` then returns False, so `meshserve serve` exits
 non-zero. A half-alive server is never kept.
 
+Multi-process (`meshserve.serving.multihost`): when a peer process is lost, `peer_lost` sets
+NOT_SERVING and fails every open stream with UNAVAILABLE, naming the lost process; then the
+process exits non-zero.
+
 Drain (`drain()`, on SIGTERM): health goes NOT_SERVING, and new requests get UNAVAILABLE.
 In-flight requests run on for up to `drain_timeout`; whatever is left is aborted. Then the server
 stops, and `wait()` returns True.
@@ -229,6 +233,12 @@ class GenerationServer:
         if self.config.metrics_port is not None:
             self.metrics.stop_http_server()
         self._release_engine()
+
+    def peer_lost(self, error: BaseException) -> None:
+        """A process of a multi-process job is gone: NOT_SERVING at once, and every open stream
+        fails with UNAVAILABLE and the account of what was lost. The process exits next."""
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._fail_all(grpc.StatusCode.UNAVAILABLE, str(error))
 
     def _release_engine(self) -> None:
         with _SERVED_LOCK:
