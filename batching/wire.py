@@ -94,6 +94,9 @@ def pack(leaves: Sequence[np.ndarray]) -> np.ndarray:
 def unpack(payload: np.ndarray, templates: Sequence[np.ndarray]) -> list[np.ndarray]:
     """The leaves `pack` wrote, shaped and typed like `templates`."""
     payload = np.asarray(payload)
+    for t in templates:
+        if t.dtype != np.bool_ and (t.dtype.itemsize != 4 or t.dtype.kind not in "iuf"):
+            raise TypeError(f"cannot receive a {t.dtype} array: only 4-byte numbers and bools")
     need = sum(int(t.size) for t in templates)
     if payload.dtype != _WORD or payload.ndim != 1 or payload.size < need:
         raise ValueError(f"a payload of {payload.size} words cannot hold {need}")
@@ -117,6 +120,8 @@ def bytes_to_payload(data: bytes) -> np.ndarray:
 def payload_to_bytes(payload: np.ndarray) -> bytes:
     payload = np.asarray(payload, np.int32)
     length = int(payload[0])
+    if not 0 <= length <= 4 * (payload.size - 1):
+        raise ValueError(f"a byte payload of {payload.size} words cannot hold {length} bytes")
     return payload[1:].tobytes()[:length]
 
 

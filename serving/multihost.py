@@ -73,7 +73,8 @@ class ClusterConfig:
     def __post_init__(self):
         if self.coordinator is not None:
             host, sep, port = self.coordinator.rpartition(":")
-            if not sep or not host or not port.isdigit():
+            if not sep or not host or not port.isascii() or not port.isdigit() \
+                    or not 0 < int(port) < 65536:
                 raise ValueError(f"coordinator must be HOST:PORT, got {self.coordinator!r}")
         if self.num_processes is not None and self.num_processes < 1:
             raise ValueError(f"num_processes must be >= 1, got {self.num_processes}")
@@ -83,7 +84,7 @@ class ClusterConfig:
             if self.num_processes is not None and self.process_id >= self.num_processes:
                 raise ValueError(f"process_id {self.process_id} is out of range for "
                                  f"{self.num_processes} processes (ids 0..{self.num_processes - 1})")
-        if not self.peer_timeout > 0:
+        if not 0 < self.peer_timeout < float("inf"):
             raise ValueError(f"peer_timeout must be > 0 seconds, got {self.peer_timeout}")
         if self.initialization_timeout < 1:
             raise ValueError("initialization_timeout must be >= 1 second")
@@ -293,6 +294,7 @@ class PlanStream:
         self.sequence = 0
         self.stopped = False  # STOP went out (process 0) or came in (the others)
         self.num_messages = 0
+        self.num_runs = 0  # RUN messages: one per engine step (per pipeline call with stages)
         self.num_payload_words = 0
         self.seconds = 0.0  # spent broadcasting (either end)
 
@@ -321,6 +323,7 @@ class PlanStream:
         except Exception as err:
             raise self.cluster.failure(err) from err
         self._count(started, payloads)
+        self.num_runs += command == wire.RUN
         self.stopped |= command == wire.STOP
 
     def warmup(self, payload_words: Sequence[int]) -> None:
@@ -348,6 +351,7 @@ class PlanStream:
                                "run the same configuration")
         payloads = [_broadcast(np.zeros(size, np.int32)) for size in sizes]
         self._count(started, payloads)
+        self.num_runs += header.command == wire.RUN
         self.stopped |= header.command == wire.STOP
         return header, payloads
 
@@ -361,7 +365,7 @@ class PlanStream:
         return self.cluster.failure(error)
 
     def stats(self) -> dict[str, float]:
-        return {"messages": self.num_messages, "seconds": self.seconds,
+        return {"messages": self.num_messages, "runs": self.num_runs, "seconds": self.seconds,
                 "payload_bytes": 4 * self.num_payload_words,
                 "ms_per_message": 1e3 * self.seconds / max(self.num_messages, 1)}
 

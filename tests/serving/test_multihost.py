@@ -1,0 +1,231 @@
+"""Two processes on 127.0.0.1 make one mesh over their fake CPU devices (jax.distributed, gloo).
+
+Process 0 schedules and broadcasts each step's plan; process 1 follows. Greedy and seeded tokens
+must equal those of one process on the same mesh shape. Then the failure paths: a process that
+breaks the rules or dies takes the job down within a bounded time, with a message naming it.
+
+Every run is a pair of real subprocesses with a hard timeout, so no test can hang.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from meshserve.batching.sampling import SamplingParams
+from meshserve.serving.client import Client, ClientError
+from meshserve.serving.engine import Engine, EngineConfig
+from meshserve.serving.llm import LLM
+from tests.model.test_loaders import LLAMA_HF, hf_llama_tensors, write_hf
+from tests.serving.multihost_worker import ENGINE, PROMPTS
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).parents[2]
+WORKER = Path(__file__).with_name("multihost_worker.py")
+MESHES = ["model=4", "stage=2,model=2", "data=2,model=2"]  # (1,1,4), (1,2,2), (2,1,2)
+TIMEOUT = 300  # seconds a two-process run may take, start-up and compiles included
+SERVE_OPTIONS = ["--num-pages", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
+                 "--prefill-chunk", "32", "--max-model-len", "256", "--no-warmup",
+                 "--no-compilation-cache"]
+GREEDY = SamplingParams(max_tokens=8, temperature=0)
+SAMPLED = SamplingParams(max_tokens=6, temperature=0.9, seed=7)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(devices: int = 2) -> dict[str, str]:
+    return os.environ | {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+                         "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    """A small llama checkpoint with unit-variance weights, so greedy choices are clear-cut."""
+    hf = LLAMA_HF | {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+                     "num_attention_heads": 4, "num_key_value_heads": 4,
+                     "max_position_embeddings": 256}
+    return write_hf(tmp_path_factory.mktemp("tiny-multihost"), hf, hf_llama_tensors(hf, seed=3))
+
+
+def _run_workers(model: Path, mesh: str, out: Path, *extra: str) -> list[tuple[int, str]]:
+    port = _free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, str(WORKER), "--coordinator", f"127.0.0.1:{port}", "--num-processes",
+         "2", "--process-id", str(i), "--devices", "2", "--model", str(model), "--mesh", mesh,
+         "--out", str(out), *extra],
+        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in range(2)]
+    try:
+        outputs = [p.communicate(timeout=TIMEOUT)[0] for p in procs]
+        return [(p.returncode, out) for p, out in zip(procs, outputs)]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_two_processes_give_one_process_tokens(tiny_model, tmp_path, mesh):
+    runs = _run_workers(tiny_model, mesh, tmp_path)
+    for process, (code, output) in enumerate(runs):
+        assert code == 0, f"process {process} exited {code}:\n{output[-4000:]}"
+    leader, follower = (json.loads((tmp_path / f"{i}.json").read_text()) for i in range(2))
+
+    llm = LLM(str(tiny_model), mesh=mesh, **ENGINE)  # one process, 4 of its 8 fake devices
+    want_greedy = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    want_sampled = [o.outputs[0].token_ids
+                    for o in llm.generate(PROMPTS[:2], SAMPLED, use_tqdm=False)]
+    assert leader["greedy"] == want_greedy
+    assert leader["sampled"] == want_sampled
+    # Every process gets process 0's outputs from `generate`.
+    assert (follower["greedy"], follower["sampled"]) == (leader["greedy"], leader["sampled"])
+    # One RUN message per step (per pipeline call of several steps with stages), plus
+    # BEGIN_CALL and END_CALL per generate call (counted before the STOP).
+    stream = leader["stream"]
+    assert stream["messages"] == stream["runs"] + 2 * 2
+    if "stage" in mesh:
+        assert 0 < stream["runs"] < leader["steps"]
+    else:
+        assert stream["runs"] == leader["steps"]
+    print(f"\nplan stream on {mesh}: {stream['ms_per_message']:.2f} ms per message, "
+          f"{stream['payload_bytes'] / stream['messages'] / 1024:.1f} KiB per message")
+
+
+def test_a_process_with_other_prompts_fails_the_job_naming_it(tiny_model, tmp_path):
+    started = time.monotonic()
+    (code0, out0), (code1, out1) = _run_workers(tiny_model, "model=4", tmp_path,
+                                                "--other-prompts")
+    assert code1 == 1 and "process 1 of 2 failed: its generate() call has other prompts" in out1
+    assert code0 != 0
+    assert "lost process 1 of 2: it failed: its generate() call has other prompts" in out0
+    assert not (tmp_path / "0.json").exists()
+    print(f"\nmismatch noticed and both processes gone in {time.monotonic() - started:.0f}s")
+
+
+class _Served:
+    """`meshserve serve` as two processes; process 0 serves gRPC on `port`."""
+
+    def __init__(self, model: str, mesh: str, *extra: str):
+        self.port, coordinator = _free_port(), f"127.0.0.1:{_free_port()}"
+        self.procs = [subprocess.Popen(
+            [sys.executable, "-m", "meshserve.serving.cli", "serve", "--model", model,
+             "--mesh", mesh, *SERVE_OPTIONS, "--port", str(self.port), "--coordinator",
+             coordinator, "--num-processes", "2", "--process-id", str(i), *extra],
+            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for i in range(2)]
+        self._lines = [[], []]
+        for i, proc in enumerate(self.procs):
+            threading.Thread(target=self._read, args=(i, proc.stdout), daemon=True).start()
+        self.wait_for(lambda: any("meshserve: serving" in line for line in self._lines[0]),
+                      "process 0 to serve")
+
+    def _read(self, index: int, pipe) -> None:
+        for line in pipe:
+            self._lines[index].append(line)
+
+    def stdout(self, index: int) -> str:
+        return "".join(self._lines[index])
+
+    def wait_for(self, condition, what: str, timeout: float = TIMEOUT) -> None:
+        end = time.monotonic() + timeout
+        while not condition():
+            for i, proc in enumerate(self.procs):
+                if proc.poll() is not None and not condition():
+                    raise AssertionError(f"process {i} exited {proc.returncode} waiting for "
+                                         f"{what}:\n{self.stdout(i)}\n{proc.stderr.read()}")
+            assert time.monotonic() < end, f"timed out waiting for {what}"
+            time.sleep(0.05)
+
+    def exit_codes(self, timeout: float) -> list[int]:
+        return [proc.wait(timeout=timeout) for proc in self.procs]
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+
+
+def test_serving_on_two_processes_matches_one_and_drains_on_sigterm(smollm2_files,
+                                                                   smollm2_pretrained):
+    mesh = "model=4"
+    served = _Served(str(smollm2_files.path), mesh)
+    try:
+        with Client(f"127.0.0.1:{served.port}") as client:
+            got = client.generate("The capital of France is", GREEDY)
+            assert client.health() == "SERVING"
+            stream = client.stream("Write a story about a dragon", SamplingParams(
+                max_tokens=24, temperature=0))
+            next(iter(stream))  # the request is running when SIGTERM arrives
+            served.procs[0].send_signal(signal.SIGTERM)
+            chunks = list(stream)
+        assert served.exit_codes(timeout=120) == [0, 0]
+        assert chunks[-1].finish_reason in ("stop", "length")  # the drain let it finish
+        assert "drained and stopped" in served.stdout(0)
+        assert "process 1 stopped with process 0" in served.stdout(1)
+    finally:
+        served.close()
+    config = EngineConfig(mesh=mesh, **{k: v for k, v in ENGINE.items()
+                                        if k != "max_model_len"}, max_model_len=256)
+    engine = Engine(smollm2_pretrained.model, smollm2_pretrained.tokenizer, config)
+    engine.add_request("The capital of France is", GREEDY)
+    (want,) = _finish(engine)
+    assert got.token_ids == want.outputs[0].token_ids
+
+
+def _finish(engine: Engine) -> list:
+    done = []
+    while engine.has_unfinished():
+        done += [o for o in engine.step() if o.finished]
+    return done
+
+
+def test_killing_process_1_fails_process_0_within_the_peer_timeout(tiny_model):
+    peer_timeout = 3.0
+    served = _Served(str(tiny_model), "data=2,model=2", "--peer-timeout", str(peer_timeout))
+    statuses: list[str] = []
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{served.port}")
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+
+        def record():
+            try:
+                for response in watch:
+                    statuses.append(health_pb2.HealthCheckResponse.ServingStatus.Name(
+                        response.status))
+            except grpc.RpcError:
+                pass  # the server went away
+
+        threading.Thread(target=record, daemon=True).start()
+        with Client(f"127.0.0.1:{served.port}") as client:
+            stream = client.stream(PROMPTS[2], SamplingParams(max_tokens=200, temperature=0))
+            chunks = iter(stream)
+            next(chunks)
+            served.procs[1].kill()
+            killed = time.monotonic()
+            with pytest.raises(ClientError) as failure:
+                list(chunks)
+        code = served.procs[0].wait(timeout=peer_timeout + 30)
+        elapsed = time.monotonic() - killed
+        stderr = served.procs[0].stderr.read()
+    finally:
+        served.close()
+    assert code == 1
+    assert elapsed < peer_timeout + 30
+    assert failure.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "lost process 1 of 2" in failure.value.message
+    assert "lost process 1 of 2" in stderr
+    assert statuses[0] == "SERVING" and "NOT_SERVING" in statuses
+    print(f"\nprocess 0 exited {elapsed:.1f}s after process 1 was killed")
