@@ -43,6 +43,8 @@ class LLM:
         if cluster is not None and multihost.current() is None:
             multihost.initialize(cluster)
         self.cluster = multihost.current()
+        if self.cluster is not None:
+            multihost.check_mesh(config.mesh_config)
         pretrained = load_sharded(model, config.mesh_config, dtype=dtype, seed=seed)
         self.tokenizer = pretrained.tokenizer
         self.model_config = pretrained.config

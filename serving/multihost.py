@@ -370,6 +370,16 @@ class PlanStream:
                 "ms_per_message": 1e3 * self.seconds / max(self.num_messages, 1)}
 
 
+def check_mesh(mesh_config) -> None:
+    """A job's mesh covers every device of every process: a process with no device in the mesh
+    could not run its share of the steps."""
+    if mesh_config.num_devices != jax.device_count():
+        raise ValueError(
+            f"mesh {mesh_config} has {mesh_config.num_devices} devices, but the job has "
+            f"{jax.device_count()} ({jax.process_count()} processes with "
+            f"{jax.local_device_count()} each): a multi-process mesh must use them all")
+
+
 def follow(runner, stream: PlanStream) -> tuple[wire.Header, list[np.ndarray]]:
     """Runs process 0's RUN messages on this process's devices until another command (not NOOP)
     arrives; returns it. `runner` is this process's `ModelRunner` or `PipelineRunner`, built

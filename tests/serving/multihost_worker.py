@@ -29,6 +29,8 @@ def main() -> None:
     args = parser.parse_args()
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
 
+    import jax
+
     from meshserve.batching.sampling import SamplingParams
     from meshserve.serving.llm import LLM
     from meshserve.serving.multihost import ClusterConfig
@@ -40,10 +42,14 @@ def main() -> None:
     greedy = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
     sampled = llm.generate(prompts[:2], SamplingParams(max_tokens=6, temperature=0.9, seed=7),
                            use_tqdm=False)
+    leaves = jax.tree.leaves(llm.engine.runner.params)
     result = {"greedy": [o.outputs[0].token_ids for o in greedy],
               "sampled": [o.outputs[0].token_ids for o in sampled],
               "stream": llm.cluster.stream.stats(),
-              "steps": llm.engine.stats.num_steps}
+              "steps": llm.engine.stats.num_steps,
+              "weight_bytes": sum(leaf.nbytes for leaf in leaves),
+              "local_weight_bytes": sum(shard.data.nbytes for leaf in leaves
+                                        for shard in leaf.addressable_shards)}
     Path(args.out, f"{args.process_id}.json").write_text(json.dumps(result))
     llm.shutdown()
 

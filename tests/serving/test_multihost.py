@@ -100,6 +100,12 @@ def test_two_processes_give_one_process_tokens(tiny_model, tmp_path, mesh):
         assert 0 < stream["runs"] < leader["steps"]
     else:
         assert stream["runs"] == leader["steps"]
+    # Each process holds only its own devices' shards: half of every weight split over `model`
+    # across the two processes (the embedding and head stay whole on each stage of a pipeline);
+    # a data-parallel replica holds the whole model.
+    for result in (leader, follower):
+        held = result["local_weight_bytes"] / result["weight_bytes"]
+        assert (held >= 1.0) if "data" in mesh else (held < 0.75), held
     print(f"\nplan stream on {mesh}: {stream['ms_per_message']:.2f} ms per message, "
           f"{stream['payload_bytes'] / stream['messages'] / 1024:.1f} KiB per message")
 
