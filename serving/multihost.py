@@ -114,10 +114,15 @@ def initialize(config: ClusterConfig = ClusterConfig()) -> "Cluster":
     global _CLUSTER
     if _CLUSTER is not None:
         raise RuntimeError("this process already joined a multi-process job")
-    jax.distributed.initialize(
-        coordinator_address=config.coordinator, num_processes=config.num_processes,
-        process_id=config.process_id, initialization_timeout=config.initialization_timeout,
-        heartbeat_timeout_seconds=config.jax_heartbeat_timeout)
+    try:
+        jax.distributed.initialize(
+            coordinator_address=config.coordinator, num_processes=config.num_processes,
+            process_id=config.process_id, initialization_timeout=config.initialization_timeout,
+            heartbeat_timeout_seconds=config.jax_heartbeat_timeout)
+    except ValueError as err:
+        raise ValueError(f"cannot join the job: {err} No cluster environment (SLURM, Open MPI, "
+                         "Kubernetes) gave it: pass --coordinator, --num-processes and "
+                         "--process-id") from err
     _CLUSTER = Cluster(config.peer_timeout)
     log.info("process %d of %d joined; %d local devices of %d", _CLUSTER.process_id,
              _CLUSTER.num_processes, jax.local_device_count(), jax.device_count())
@@ -223,11 +228,10 @@ class Cluster:
                 return peer, f"lost process {peer} of {self.num_processes}: it failed: {reason}"
         now = time.monotonic()
         for peer in self._watched():
-            value = beats.get(f"{_BEAT_KEY}{peer}")
-            last, since = self._seen.get(peer, (None, now))
-            if value != last:
+            value = beats.get(f"{_BEAT_KEY}{peer}")  # None until its first beat
+            if peer not in self._seen or value != self._seen[peer][0]:
                 self._seen[peer] = (value, now)
-            elif now - since > stale_after:
+            elif now - (since := self._seen[peer][1]) > stale_after:
                 return peer, (f"lost process {peer} of {self.num_processes}: no heartbeat for "
                               f"{now - since:.1f}s")
         return None
