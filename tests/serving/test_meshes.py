@@ -92,20 +92,25 @@ def _tiny_requests() -> list:
     return requests
 
 
+@pytest.fixture(scope="module")
+def tiny_want(tiny_model) -> list:
+    """The one-device outputs of `_tiny_requests()`, run once: every tiny mesh must match them."""
+    return _run(Engine(tiny_model, None, EngineConfig(**ENGINE)), _tiny_requests())
+
+
 @pytest.mark.parametrize("mesh", TINY_MESHES)
-def test_tiny_llama_matches_one_device(tiny_model, mesh):
-    want = _run(Engine(tiny_model, None, EngineConfig(**ENGINE)), _tiny_requests())
+def test_tiny_llama_matches_one_device(tiny_model, tiny_want, mesh):
     got = _run(Engine(tiny_model, None, EngineConfig(mesh=mesh, **ENGINE)), _tiny_requests())
-    _assert_same(got, want)
+    _assert_same(got, tiny_want)
 
 
-def test_data_parallel_engine_serves_a_mixed_workload_under_pressure(tiny_model):
+def test_data_parallel_engine_serves_a_mixed_workload_under_pressure(tiny_model, tiny_want):
     """Two replicas, each with a page pool so small that requests preempt: every request still
-    gets exactly its single-device tokens, both replicas serve, and each replica's page
-    invariant holds after every step (checked in `_run`)."""
+    gets exactly its single-device tokens (preemption changes no token), both replicas serve,
+    and each replica's page invariant holds after every step (checked in `_run`)."""
     requests = _tiny_requests() * 2
     small = ENGINE | dict(num_pages=12)
-    want = _run(Engine(tiny_model, None, EngineConfig(**small)), requests)
+    want = tiny_want * 2
     engine = Engine(tiny_model, None, EngineConfig(mesh="data=2", **small))
     placed = set()
     ids = [engine.add_request(prompt, params) for prompt, params in requests]
