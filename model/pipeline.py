@@ -90,7 +90,8 @@ class PipelineRunner:
         self._call = _compile(self.graphdef, layout, jax.tree.map(lambda a: a.sharding,
                                                                   self.params),
                               num_stages=self.num_stages, num_top=config.max_logprobs)
-        self.channel: PlanChannel | None = None  # set on process 0 of a multi-process run
+        self.channel: PlanChannel | None = None  # a multi-process run sets it on every process
+        # (only process 0 sends; see meshserve.serving.multihost)
 
     def execute(self, schedule: PipelineSchedule) -> list[list[SampledRows]]:
         """Runs the schedule; per round, per sub-batch of its plan, each row's sampled token."""

@@ -17,6 +17,12 @@ replica r sit in block r of every sub-batch, each block padded to the same row b
 a plan are local to the row's replica (each replica has its own dummy page 0). Without a layout the
 step runs on the default device. Knobs that change compiled shapes (and so cost a compile each): the bucket sets,
 `num_pages`, `page_size`, and whether prompt logprobs are asked for.
+
+Several processes (`meshserve.serving.multihost`): `execute` is split into `host_call` (the
+padded host arrays of one compiled call, keyed by its bucket) and `run_calls` (transfer and
+dispatch). Process 0 sends each step's host arrays through `channel` before running them; the
+other processes rebuild the same shapes from the keys (`template`) and call `run_calls` with the
+arrays they received. Sampled tokens then come back replicated (`output_sharding`).
 """
 
 from __future__ import annotations
@@ -152,7 +158,8 @@ class ModelRunner:
             constrain=None if layout is None else layout.constrain,
             replica_axes=() if layout is None else layout.replica_axes)
         self._step = compile_step(step, layout)
-        self.channel: PlanChannel | None = None  # set on process 0 of a multi-process run
+        self.channel: PlanChannel | None = None  # a multi-process run sets it on every process
+        # (only process 0 sends; see meshserve.serving.multihost)
 
     def padded_shape(self, plan: SubBatchPlan) -> tuple[int, int, int]:
         """The bucket `(rows per replica, tokens, pages)` that `plan` runs at."""

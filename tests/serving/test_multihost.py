@@ -23,10 +23,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from meshserve.batching.sampling import SamplingParams
 from meshserve.serving.client import Client, ClientError
-from meshserve.serving.engine import Engine, EngineConfig
 from meshserve.serving.llm import LLM
 from tests.model.test_loaders import LLAMA_HF, hf_llama_tensors, write_hf
-from tests.serving.multihost_worker import ENGINE, PROMPTS
+from tests.serving.multihost_worker import ENGINE, GREEDY, PROMPTS, SAMPLED
 
 pytestmark = pytest.mark.slow
 
@@ -37,8 +36,6 @@ TIMEOUT = 300  # seconds a two-process run may take, start-up and compiles inclu
 SERVE_OPTIONS = ["--num-pages", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
                  "--prefill-chunk", "32", "--max-model-len", "256", "--no-warmup",
                  "--no-compilation-cache"]
-GREEDY = SamplingParams(max_tokens=8, temperature=0)
-SAMPLED = SamplingParams(max_tokens=6, temperature=0.9, seed=7)
 
 
 def _free_port() -> int:
@@ -61,11 +58,13 @@ def tiny_model(tmp_path_factory) -> Path:
     return write_hf(tmp_path_factory.mktemp("tiny-multihost"), hf, hf_llama_tensors(hf, seed=3))
 
 
-def _run_workers(model: Path, mesh: str, out: Path, *extra: str) -> list[tuple[int, str]]:
+def _run_workers(model: Path, meshes: list[str], out: Path, *extra: str
+                 ) -> list[tuple[int, str]]:
     port = _free_port()
+    mesh_flags = [flag for mesh in meshes for flag in ("--mesh", mesh)]
     procs = [subprocess.Popen(
         [sys.executable, str(WORKER), "--coordinator", f"127.0.0.1:{port}", "--num-processes",
-         "2", "--process-id", str(i), "--devices", "2", "--model", str(model), "--mesh", mesh,
+         "2", "--process-id", str(i), "--devices", "2", "--model", str(model), *mesh_flags,
          "--out", str(out), *extra],
         cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i in range(2)]
@@ -79,40 +78,42 @@ def _run_workers(model: Path, mesh: str, out: Path, *extra: str) -> list[tuple[i
 
 @pytest.mark.parametrize("mesh", MESHES)
 def test_two_processes_give_one_process_tokens(tiny_model, tmp_path, mesh):
-    runs = _run_workers(tiny_model, mesh, tmp_path)
+    runs = _run_workers(tiny_model, [mesh], tmp_path)
     for process, (code, output) in enumerate(runs):
         assert code == 0, f"process {process} exited {code}:\n{output[-4000:]}"
     leader, follower = (json.loads((tmp_path / f"{i}.json").read_text()) for i in range(2))
-
+    got, other = leader[mesh], follower[mesh]
     llm = LLM(str(tiny_model), mesh=mesh, **ENGINE)  # one process, 4 of its 8 fake devices
-    want_greedy = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    want_greedy = [o.outputs[0].token_ids
+                   for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     want_sampled = [o.outputs[0].token_ids
-                    for o in llm.generate(PROMPTS[:2], SAMPLED, use_tqdm=False)]
-    assert leader["greedy"] == want_greedy
-    assert leader["sampled"] == want_sampled
+                    for o in llm.generate(PROMPTS, SAMPLED, use_tqdm=False)]
+    assert got["greedy"] == want_greedy, mesh
+    assert got["sampled"] == want_sampled, mesh
     # Every process gets process 0's outputs from `generate`.
-    assert (follower["greedy"], follower["sampled"]) == (leader["greedy"], leader["sampled"])
+    assert (other["greedy"], other["sampled"]) == (got["greedy"], got["sampled"]), mesh
     # One RUN message per step (per pipeline call of several steps with stages), plus
-    # BEGIN_CALL and END_CALL per generate call (counted before the STOP).
-    stream = leader["stream"]
-    assert stream["messages"] == stream["runs"] + 2 * 2
+    # BEGIN_CALL and END_CALL per generate call.
+    stream = got["stream"]
+    assert stream["messages"] == stream["runs"] + 2 * 2, mesh
     if "stage" in mesh:
-        assert 0 < stream["runs"] < leader["steps"]
+        assert 0 < stream["runs"] < got["steps"], mesh
     else:
-        assert stream["runs"] == leader["steps"]
-    # Each process holds only its own devices' shards: half of every weight split over `model`
-    # across the two processes (the embedding and head stay whole on each stage of a pipeline);
-    # a data-parallel replica holds the whole model.
-    for result in (leader, follower):
+        assert stream["runs"] == got["steps"], mesh
+    # Each process holds only its own devices' shards: half of every weight split over
+    # `model` across the two processes (the embedding and head stay whole on each stage of
+    # a pipeline); a data-parallel replica holds the whole model.
+    for result in (got, other):
         held = result["local_weight_bytes"] / result["weight_bytes"]
-        assert (held >= 1.0) if "data" in mesh else (held < 0.75), held
-    print(f"\nplan stream on {mesh}: {stream['ms_per_message']:.2f} ms per message, "
-          f"{stream['payload_bytes'] / stream['messages'] / 1024:.1f} KiB per message")
+        assert (held >= 1.0) if "data" in mesh else (held < 0.75), (mesh, held)
+    print(f"\nplan stream on {mesh}: {1e3 * stream['seconds'] / stream['messages']:.2f} ms "
+          f"per message, {stream['payload_bytes'] / stream['messages'] / 1024:.1f} KiB "
+          "per message")
 
 
 def test_a_process_with_other_prompts_fails_the_job_naming_it(tiny_model, tmp_path):
     started = time.monotonic()
-    (code0, out0), (code1, out1) = _run_workers(tiny_model, "model=4", tmp_path,
+    (code0, out0), (code1, out1) = _run_workers(tiny_model, ["model=4"], tmp_path,
                                                 "--other-prompts")
     assert code1 == 1 and "process 1 of 2 failed: its generate() call has other prompts" in out1
     assert code0 != 0
@@ -164,13 +165,16 @@ class _Served:
             proc.wait()
 
 
-def test_serving_on_two_processes_matches_one_and_drains_on_sigterm(smollm2_files,
-                                                                   smollm2_pretrained):
-    mesh = "model=4"
-    served = _Served(str(smollm2_files.path), mesh)
+def test_serving_on_two_processes_gives_hf_tokens_and_drains_on_sigterm(smollm2_files,
+                                                                       golden_dir):
+    """SmolLM2 served by two processes on `model=4` (heads padded, split across processes)
+    gives HF transformers' greedy tokens; SIGTERM to process 0 drains, then stops both."""
+    case = json.loads((golden_dir / "smollm2.json").read_text())["cases"][0]
+    served = _Served(str(smollm2_files.path), "model=4")
     try:
         with Client(f"127.0.0.1:{served.port}") as client:
-            got = client.generate("The capital of France is", GREEDY)
+            got = client.generate(case["prompt_ids"], SamplingParams(max_tokens=16,
+                                                                     temperature=0))
             assert client.health() == "SERVING"
             stream = client.stream("Write a story about a dragon", SamplingParams(
                 max_tokens=24, temperature=0))
@@ -183,19 +187,7 @@ def test_serving_on_two_processes_matches_one_and_drains_on_sigterm(smollm2_file
         assert "process 1 stopped with process 0" in served.stdout(1)
     finally:
         served.close()
-    config = EngineConfig(mesh=mesh, **{k: v for k, v in ENGINE.items()
-                                        if k != "max_model_len"}, max_model_len=256)
-    engine = Engine(smollm2_pretrained.model, smollm2_pretrained.tokenizer, config)
-    engine.add_request("The capital of France is", GREEDY)
-    (want,) = _finish(engine)
-    assert got.token_ids == want.outputs[0].token_ids
-
-
-def _finish(engine: Engine) -> list:
-    done = []
-    while engine.has_unfinished():
-        done += [o for o in engine.step() if o.finished]
-    return done
+    assert got.token_ids == case["greedy_ids"][:16]
 
 
 def test_killing_process_1_fails_process_0_within_the_peer_timeout(tiny_model):
