@@ -22,7 +22,9 @@ Failure. Each process writes a heartbeat to the coordination service's key-value
 0.25 s, and process 0 watches every other one (followers watch process 0):
   - a process that dies breaks the next collective at once: the survivors see the error, wait
     until the dead process's heartbeat is clearly stale (about a second), and name it;
-  - a process that hangs stops beating: after `peer_timeout` seconds the others give up on it;
+  - a process that hangs stops beating: after `peer_timeout` seconds the others give up on it
+    (followers read process 0's heartbeat with that deadline, since a frozen process 0 freezes
+    the coordination service too);
   - a follower whose own step fails records why under `meshserve/failed/<id>` before exiting,
     and process 0 reports that reason.
 Process 0 then runs its failure callbacks (the server sets health NOT_SERVING and fails every
@@ -149,8 +151,11 @@ class Cluster:
         self._seen: dict[int, tuple[str, float]] = {}  # process -> (last beat, when it changed)
         self._lock = threading.Lock()
         self._beat()
-        self._thread = threading.Thread(target=self._watch, name="meshserve-heartbeat",
+        # Two threads: a write to a frozen coordinator blocks, and must not stop the watch.
+        self._beater = threading.Thread(target=self._beat_loop, name="meshserve-heartbeat",
                                         daemon=True)
+        self._thread = threading.Thread(target=self._watch, name="meshserve-watch", daemon=True)
+        self._beater.start()
         self._thread.start()
         atexit.register(self._exit_if_failed)
 
@@ -246,20 +251,40 @@ class Cluster:
         self._client.key_value_set(f"{_BEAT_KEY}{self.process_id}", str(self._beats),
                                    allow_overwrite=True)
 
-    def _watch(self) -> None:
-        """The heartbeat thread: beat, and give up on a peer silent for `peer_timeout`."""
+    def _beat_loop(self) -> None:
         while not self._stop.wait(BEAT_INTERVAL):
             try:
                 self._beat()
-            except Exception:  # noqa: BLE001 - judged below, with the peers' beats
-                pass
+            except Exception:  # noqa: BLE001 - the watch judges peers; a lost coordinator
+                pass  # shows there as process 0 not answering
+
+    def _watch(self) -> None:
+        """Gives up on a peer silent for `peer_timeout`. A follower first reads process 0's
+        heartbeat with that deadline: process 0 runs the coordination service, and a read
+        from it while it is frozen would otherwise block for good."""
+        while not self._stop.wait(BEAT_INTERVAL):
             if self.failed is not None:
                 continue  # the thread that found it handles the exit
+            if not self.is_leader:
+                try:
+                    self._client.blocking_key_value_get(f"{_BEAT_KEY}0",
+                                                        int(self.peer_timeout * 1000))
+                except Exception as err:  # noqa: BLE001 - no answer within the deadline
+                    lost = (0, f"lost process 0 of {self.num_processes}: its coordination "
+                               f"service did not answer for {self.peer_timeout:.0f}s "
+                               f"({_first_line(err)})")
+                    self._give_up(lost)
+                    continue
             lost = self._find_lost(stale_after=self.peer_timeout)
-            if lost is not None and not self._stop.is_set():
-                error = self._record(*lost)
-                time.sleep(_EXIT_GRACE)
-                _exit(f"meshserve: error: {error}")
+            if lost is not None:
+                self._give_up(lost)
+
+    def _give_up(self, lost: tuple[int | None, str]) -> None:
+        if self._stop.is_set():
+            return
+        error = self._record(*lost)
+        time.sleep(_EXIT_GRACE)
+        _exit(f"meshserve: error: {error}")
 
     def _exit_if_failed(self) -> None:
         """At interpreter exit after a failure: skip JAX's shutdown barrier, which would wait
@@ -284,6 +309,7 @@ class Cluster:
                                  "process must make the same calls")
         self._stop.set()
         self._thread.join()
+        self._beater.join()
         if self.failed is not None:
             _exit(None)
         jax.distributed.shutdown()

@@ -227,3 +227,23 @@ def test_killing_process_1_fails_process_0_within_the_peer_timeout(tiny_model):
     assert "lost process 1 of 2" in stderr
     assert statuses[0] == "SERVING" and "NOT_SERVING" in statuses
     print(f"\nprocess 0 exited {elapsed:.1f}s after process 1 was killed")
+
+
+def test_a_frozen_process_0_ends_its_follower_naming_it(tiny_model):
+    """Process 0 stops answering (SIGSTOP: its coordination service freezes with it): the
+    follower gives up after the peer timeout, names process 0 and exits 1, before JAX's own
+    heartbeat timeout would abort it."""
+    peer_timeout = 3.0
+    served = _Served(str(tiny_model), "data=2,model=2", "--peer-timeout", str(peer_timeout))
+    try:
+        served.procs[0].send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        code = served.procs[1].wait(timeout=peer_timeout + 30)
+        elapsed = time.monotonic() - stopped
+        stderr = served.procs[1].stderr.read()
+    finally:
+        served.close()  # SIGKILL ends a stopped process too
+    assert code == 1, stderr[-2000:]
+    assert "lost process 0 of 2" in stderr
+    assert elapsed < peer_timeout + 10  # JAX's own timeout is peer_timeout + 10 here
+    print(f"\nthe follower exited {elapsed:.1f}s after process 0 froze")
