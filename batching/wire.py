@@ -26,6 +26,7 @@ MAGIC = 0x6D736831  # "msh1": a header from another program or version is refuse
 HEADER_WORDS = 64
 MIN_PAYLOAD_WORDS = 1024
 _FIXED = 4  # magic, command, sequence, payload words
+SEQUENCE_MODULUS = 1 << 31  # sequence numbers wrap here (one int32 word)
 
 NOOP = 0  # nothing to run; keeps followers' waits short
 RUN = 1  # run the compiled calls the header's keys name, with the payload's arrays
@@ -40,7 +41,7 @@ _WORD = np.dtype(np.int32)
 @dataclasses.dataclass(frozen=True)
 class Header:
     command: int
-    sequence: int  # messages sent before this one; a follower checks it counts along
+    sequence: int  # messages sent before this one, modulo 2**31; a follower checks it counts along
     payload_words: int  # 0 when no payload follows; else the payload's padded length
     words: tuple[int, ...] = ()  # command-specific
 
@@ -49,7 +50,7 @@ class Header:
             raise ValueError(f"a header holds at most {HEADER_WORDS - _FIXED} words, "
                              f"got {len(self.words)}")
         out = np.zeros(HEADER_WORDS, np.int32)
-        out[:_FIXED] = (MAGIC, self.command, self.sequence, self.payload_words)
+        out[:_FIXED] = (MAGIC, self.command, self.sequence % SEQUENCE_MODULUS, self.payload_words)
         out[_FIXED:_FIXED + len(self.words)] = self.words
         return out
 

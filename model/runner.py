@@ -194,8 +194,9 @@ class ModelRunner:
         index = self.row_index(plan, shape[0])
         rows = shape[0] * self.num_replicas
         batch = pad_sub_batch(plan, (rows, *shape[1:]), index=index)
-        if sampling.banned_ids is not None and sampling.banned_ids.shape[1] > self.config.max_stop_ids:
-            raise ValueError(f"{sampling.banned_ids.shape[1]} stop token ids exceed max_stop_ids="
+        banned = sampling.banned_ids
+        if banned is not None and banned.shape[1] > self.config.max_stop_ids:
+            raise ValueError(f"{banned.shape[1]} stop token ids exceed max_stop_ids="
                              f"{self.config.max_stop_ids}")
         host = host_sampling(sampling, min_tokens=sampling.min_tokens,
                              banned_ids=sampling.banned_ids, rows=rows,

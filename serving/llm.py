@@ -6,8 +6,9 @@
 
     llm = LLM(model="smollm2-135m-instruct", mesh="data=2,model=4")  # or a MeshConfig
 
-Keyword arguments other than `dtype`, `seed` and `cluster` are `EngineConfig` fields. Weights are read one
-tensor at a time and go to the mesh's devices already split (`meshserve.sharding.loading`).
+Keyword arguments other than `dtype`, `seed` and `cluster` are `EngineConfig` fields. Weights are
+read one tensor at a time and go to the mesh's devices already split
+(`meshserve.sharding.loading`).
 Requests run through the continuous-batching engine (or the static baseline with
 `policy="static"`); outputs come back in the order of the prompts.
 

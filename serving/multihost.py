@@ -84,8 +84,9 @@ class ClusterConfig:
             if self.process_id < 0:
                 raise ValueError(f"process_id must be >= 0, got {self.process_id}")
             if self.num_processes is not None and self.process_id >= self.num_processes:
+                last = self.num_processes - 1
                 raise ValueError(f"process_id {self.process_id} is out of range for "
-                                 f"{self.num_processes} processes (ids 0..{self.num_processes - 1})")
+                                 f"{self.num_processes} processes (ids 0..{last})")
         if not 0 < self.peer_timeout < float("inf"):
             raise ValueError(f"peer_timeout must be > 0 seconds, got {self.peer_timeout}")
         if self.initialization_timeout < 1:
@@ -371,7 +372,7 @@ class PlanStream:
         started = time.perf_counter()
         header = wire.Header.decode(_broadcast(np.zeros(wire.HEADER_WORDS, np.int32)),
                                     wire.HEADER_WORDS - 4)
-        if header.sequence != self.sequence:
+        if header.sequence != self.sequence % wire.SEQUENCE_MODULUS:
             raise RuntimeError(f"plan message {header.sequence} arrived where "
                                f"{self.sequence} was due: the processes are out of step")
         sizes = list(payload_sizes(header))
