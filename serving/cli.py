@@ -263,10 +263,8 @@ def run_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, drain)
     if server.wait():
         if cluster is not None:
-            stats = cluster.stream.stats()
+            _print_plan_stream(llm, cluster)
             cluster.shutdown()  # STOP: every follower leaves with us
-            print(f"meshserve: plan stream: {stats['messages']} messages, "
-                  f"{stats['ms_per_message']:.2f} ms each", flush=True)
         print("meshserve: drained and stopped", flush=True)
         return 0
     if cluster is not None and cluster.failed is not None:
@@ -617,15 +615,21 @@ def run_batch(args: argparse.Namespace, input_path: Path, output_path: Path, *,
     cluster_config = _cluster_config(args) if hasattr(args, "coordinator") else None
     if cluster_config is not None:
         return _run_batch_on_cluster(args, cluster_config, input_path, output_path, show=show)
-    entries = list(read_requests(input_path))
-    done = finished_ids(output_path)
-    todo = [e for e in entries if e["id"] not in done]
-    print(f"{len(entries)} requests, {len(done & {e['id'] for e in entries})} already done, "
-          f"{len(todo)} to run")
+    todo = _pending(input_path, output_path)
     if not todo:
         return
     llm = _load(args, needs_tokenizer=any(e["kind"] != "prompt_token_ids" for e in todo))
     _run_entries(llm, todo, output_path, show=show)
+
+
+def _pending(input_path: Path, output_path: Path, where: str = "") -> list[dict]:
+    """The input's requests whose ids are not in the output yet; prints the counts."""
+    entries = list(read_requests(input_path))
+    done = finished_ids(output_path)
+    todo = [e for e in entries if e["id"] not in done]
+    print(f"{len(entries)} requests, {len(done & {e['id'] for e in entries})} already done, "
+          f"{len(todo)} to run{where}")
+    return todo
 
 
 def _run_entries(llm: LLM, todo: list[dict], output_path: Path, *, show: bool) -> None:
@@ -643,15 +647,10 @@ def _run_batch_on_cluster(args: argparse.Namespace, cluster_config: multihost.Cl
     llm = _load(args, needs_tokenizer=False, cluster=cluster_config)
     cluster = llm.cluster
     if not cluster.is_leader:
-        if _follow(llm, cluster) != 0:
-            raise RuntimeError("the job failed")
+        _follow(llm, cluster)  # returns once process 0 stops the job, else exits non-zero
         return
     try:
-        entries = list(read_requests(input_path))
-        done = finished_ids(output_path)
-        todo = [e for e in entries if e["id"] not in done]
-        print(f"{len(entries)} requests, {len(done & {e['id'] for e in entries})} already done, "
-              f"{len(todo)} to run on {cluster.num_processes} processes")
+        todo = _pending(input_path, output_path, f" on {cluster.num_processes} processes")
         if todo and llm.tokenizer is None and any(e["kind"] != "prompt_token_ids" for e in todo):
             raise ValueError(f"model {args.model!r} has no tokenizer; give prompt_token_ids")
         if todo:

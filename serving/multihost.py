@@ -151,6 +151,7 @@ class Cluster:
         self._stop = threading.Event()
         self._seen: dict[int, tuple[str, float]] = {}  # process -> (last beat, when it changed)
         self._lock = threading.Lock()
+        self._beats = 0
         self._beat()
         # Two threads: a write to a frozen coordinator blocks, and must not stop the watch.
         self._beater = threading.Thread(target=self._beat_loop, name="meshserve-heartbeat",
@@ -248,7 +249,7 @@ class Cluster:
         return [0]
 
     def _beat(self) -> None:
-        self._beats = getattr(self, "_beats", 0) + 1
+        self._beats += 1
         self._client.key_value_set(f"{_BEAT_KEY}{self.process_id}", str(self._beats),
                                    allow_overwrite=True)
 
@@ -397,8 +398,7 @@ class PlanStream:
 
     def stats(self) -> dict[str, float]:
         return {"messages": self.num_messages, "runs": self.num_runs, "seconds": self.seconds,
-                "payload_bytes": 4 * self.num_payload_words,
-                "ms_per_message": 1e3 * self.seconds / max(self.num_messages, 1)}
+                "payload_bytes": 4 * self.num_payload_words}
 
 
 def check_mesh(mesh_config) -> None:
@@ -425,8 +425,7 @@ def follow(runner, stream: PlanStream) -> tuple[wire.Header, list[np.ndarray]]:
     def sizes(header: wire.Header) -> list[int]:
         if header.command != wire.RUN:
             return [header.payload_words] if header.payload_words else []
-        return [wire.payload_bucket(sum(leaf.size for leaf in template(key)[0]))
-                for key in _keys(header.words)]
+        return [_payload_words(template(key)[0]) for key in _keys(header.words)]
 
     while True:
         header, payloads = stream.receive(sizes)
@@ -444,8 +443,12 @@ def follow(runner, stream: PlanStream) -> tuple[wire.Header, list[np.ndarray]]:
 
 def payload_sizes(runner, keys: Sequence[tuple[int, ...]]) -> list[int]:
     """The padded payload size of a call with each bucket key (for `PlanStream.warmup`)."""
-    return [wire.payload_bucket(sum(leaf.size for leaf in jax.tree.leaves(runner.template(k))))
-            for k in keys]
+    return [_payload_words(jax.tree.leaves(runner.template(k))) for k in keys]
+
+
+def _payload_words(leaves: Sequence[np.ndarray]) -> int:
+    """The size `wire.pack` gives a payload of `leaves`."""
+    return wire.payload_bucket(sum(leaf.size for leaf in leaves))
 
 
 def follow_or_exit(runner, cluster: Cluster) -> tuple[wire.Header, list[np.ndarray]]:
