@@ -2,7 +2,9 @@
 
 A `StepPlan` is a tuple of sub-batches. Each `SubBatchPlan` holds B rows with up to T new tokens
 each (prefill chunks, or decodes with T = 1), unpadded in B and M; the model runner pads them to
-its compiled buckets. Rows are right-padded in T; `num_new` says how many tokens of a row are real.
+its compiled buckets. Rows are right-padded in T; `num_new` says how many tokens of a row are real. The runner runs
+only the real tokens, unless the sub-batch is `lockstep` (the static baseline): then every row
+computes all T slots, as static batching does.
 
 Each sub-batch carries `SamplingArrays`, one entry per row: how to sample the token that follows the
 row's last new token. A row whose chunk does not end its prompt still gets a token sampled; the
@@ -33,6 +35,7 @@ class SubBatchPlan:
     page_table: np.ndarray  # [B, M] pages of each row, 0 past its last page
     targets: np.ndarray | None = None  # [B, T] next tokens whose logprobs are wanted
     replicas: np.ndarray | None = None  # [B] data-parallel replica of each row; None: all 0
+    lockstep: bool = False  # every row, padding rows too, computes all T slots (static batching)
 
     def __post_init__(self):
         rows, width = self.tokens.shape

@@ -279,6 +279,7 @@ class KVUsage:
 
 class Policy(Protocol):
     splits_prefill_by_bucket: bool  # one prefill sub-batch per token bucket, or one in all
+    is_lockstep: bool  # rows compute their sub-batch's full width, padding rows too (static)
     def pick_rows(self, scheduler: Scheduler) -> list[Row]:
         """The rows of the next step; may admit, and (continuous only) preempt, requests."""
 
@@ -363,7 +364,8 @@ class Scheduler:
                           eos_token_ids=self.config.eos_token_ids,
                           num_replicas=self.config.num_replicas,
                           token_buckets=(self.config.token_buckets
-                                         if self._policy.splits_prefill_by_bucket else None))
+                                         if self._policy.splits_prefill_by_bucket else None),
+                          lockstep=self._policy.is_lockstep)
 
     def update(self, plan: StepPlan, tokens: Sequence[np.ndarray]) -> list[Request]:
         """Applies a step's sampled tokens (one [B] array per sub-batch).
@@ -613,9 +615,11 @@ def stop_status_at(request: Request, index: int, eos_token_ids: Sequence[int]
 # The step plan, built from the rows a policy picked.
 
 def build_plan(rows: Sequence[Row], *, page_size: int, eos_token_ids: Sequence[int] = (),
-               num_replicas: int = 1, token_buckets: Sequence[int] | None = None) -> StepPlan:
+               num_replicas: int = 1, token_buckets: Sequence[int] | None = None,
+               lockstep: bool = False) -> StepPlan:
     """One prefill sub-batch per token bucket (all prefill rows in one without `token_buckets`),
-    widest first, then one decode sub-batch; an empty one is left out."""
+    widest first, then one decode sub-batch; an empty one is left out. `lockstep` sub-batches
+    compute every row's full width (the static baseline)."""
     prefill = [row for row in rows if not row.is_decode]
     by_bucket: dict[int, list[Row]] = collections.defaultdict(list)
     for row in prefill:
@@ -623,20 +627,21 @@ def build_plan(rows: Sequence[Row], *, page_size: int, eos_token_ids: Sequence[i
     decode = [row for row in rows if row.is_decode]
     groups = [by_bucket[b] for b in sorted(by_bucket, reverse=True)] + ([decode] if decode else [])
     return StepPlan(
-        sub_batches=tuple(_sub_batch(group, page_size, num_replicas) for group in groups),
+        sub_batches=tuple(_sub_batch(group, page_size, num_replicas, lockstep)
+                          for group in groups),
         sampling=tuple(sampling_arrays(group, eos_token_ids=eos_token_ids) for group in groups),
         row_requests=tuple(tuple(row.request.request_id for row in group) for group in groups),
         row_samples=tuple(np.array([row.is_sampled for row in group], bool) for group in groups),
     )
 
 
-def _sub_batch(rows: Sequence[Row], page_size: int, num_replicas: int) -> SubBatchPlan:
+def _sub_batch(rows: Sequence[Row], page_size: int, num_replicas: int,
+               lockstep: bool) -> SubBatchPlan:
     inputs = [_row_inputs(row, page_size) for row in rows]
     plan = sub_batch_from_rows(inputs, page_size=page_size, targets=_prompt_targets(rows))
-    if num_replicas == 1:
-        return plan
-    replicas = np.array([row.request.replica for row in rows], np.int32)
-    return dataclasses.replace(plan, replicas=replicas)
+    replicas = None if num_replicas == 1 else np.array([row.request.replica for row in rows],
+                                                        np.int32)
+    return dataclasses.replace(plan, replicas=replicas, lockstep=lockstep)
 
 
 def _row_inputs(row: Row, page_size: int) -> tuple[list[int], int, list[int]]:
@@ -757,6 +762,7 @@ class ContinuousPolicy:
     """Continuous batching with chunked prefill; see the module docstring for the exact rules."""
 
     splits_prefill_by_bucket = True
+    is_lockstep = False
 
     def __init__(self, config: SchedulerConfig):
         self.config = config
@@ -904,6 +910,7 @@ class StaticPolicy:
     sub-batch, every prompt padded to the longest."""
 
     splits_prefill_by_bucket = False
+    is_lockstep = True
 
     def __init__(self, config: SchedulerConfig):
         self.config = config

@@ -22,6 +22,7 @@ the reference that tests compare it with. Neither knows about batching policy.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -219,3 +220,177 @@ def _split_rows(x: jax.Array, shapes: tuple[tuple[int, int], ...]) -> list[jax.A
     sizes = [b * t for b, t in shapes]
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     return [x[o:o + n] for o, n in zip(offsets, sizes)]
+
+
+# The ragged step: one flat batch of tokens, prefill chunks and decodes mixed.
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RaggedBatch:
+    """T token slots of S sequences, flattened. All int32; T and S are the compiled shape.
+
+    A sequence's tokens sit in consecutive slots. Padding slots have `is_real = 0`: they write to
+    the dummy page 0 and no real token attends to them. A padding sequence has `kv_lens = 0`.
+
+    tokens      [T]     new token ids
+    positions   [T]     absolute position of each token
+    token_seq   [T]     the sequence slot each token belongs to
+    is_real     [T]     1 for a real new token, 0 for padding
+    write_slots [T]     flat cache slot (page * page_size + offset) each token writes
+    kv_lens     [S]     context length after this step (cached + new)
+    num_new     [S]     real new tokens of each sequence
+    last        [S]     slot of each sequence's last real token (its logits are sampled)
+    page_table  [S, M]  pages of each sequence; entries past its length are 0 (the dummy)
+    targets     [T]     next-token ids whose logprobs to return, or None (prompt logprobs)
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    token_seq: jax.Array
+    is_real: jax.Array
+    write_slots: jax.Array
+    kv_lens: jax.Array
+    num_new: jax.Array
+    last: jax.Array
+    page_table: jax.Array
+    targets: jax.Array | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(token slots, sequence slots): the compiled shape."""
+        return self.tokens.shape[0], self.kv_lens.shape[0]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RaggedMeta:
+    """What every layer's attention needs about a ragged step, computed once per step."""
+
+    write_slots: jax.Array  # [T]
+    positions: jax.Array  # [T]
+    token_pages: jax.Array  # [T, M] the page table of each token's sequence
+    cached_lens: jax.Array  # [T] tokens of its sequence cached before this step
+    step_mask: jax.Array  # [T, T] bool: token t may attend to this step's token u
+    num_context_blocks: jax.Array  # [] blocks of the cached context the longest one reads
+
+
+def ragged_meta(batch: RaggedBatch, *, page_size: int, block_pages: int) -> RaggedMeta:
+    assert batch.page_table.shape[1] % block_pages == 0, "page table width must be whole blocks"
+    seq = batch.token_seq
+    cached = (batch.kv_lens - batch.num_new)[seq] * batch.is_real  # [T]
+    same = seq[:, None] == seq[None, :]
+    causal = batch.positions[None, :] <= batch.positions[:, None]
+    step_mask = same & causal & (batch.is_real[None, :] > 0)  # [T, T]
+    block_tokens = block_pages * page_size
+    return RaggedMeta(
+        write_slots=batch.write_slots, positions=batch.positions,
+        token_pages=batch.page_table[seq], cached_lens=cached, step_mask=step_mask,
+        num_context_blocks=(jnp.max(cached) + block_tokens - 1) // block_tokens)
+
+
+def ragged_attention_jnp(q: jax.Array, k: jax.Array, v: jax.Array, cache_k: jax.Array,
+                         cache_v: jax.Array, layer: jax.Array, meta: RaggedMeta, *,
+                         block_pages: int) -> jax.Array:
+    """The portable backend: q [T, H, h], this step's k/v [T, K, h] -> [T, H, h].
+
+    Two parts joined by one online softmax: this step's own keys (dense, causal within each
+    sequence, no gather), then the cached context, read `block_pages` pages at a time and only as
+    many blocks as the longest cached context needs (a `fori_loop` with a traced trip count), so
+    a step never reads pages nobody asked for.
+    """
+    tokens, num_heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    q = (q * head_dim ** -0.5).reshape(tokens, kv_heads, num_heads // kv_heads, head_dim)
+    scores = _einsum_f32("tkgh,ukh->tkgu", q, k)  # [T, K, G, T]
+    scores = jnp.where(meta.step_mask[:, None, None, :], scores, MASK_VALUE)
+    m = jnp.max(scores, axis=-1)  # [T, K, G]
+    p = jnp.exp(scores - m[..., None])
+    state = (m, jnp.sum(p, axis=-1), _einsum_f32("tkgu,ukh->tkgh", p.astype(v.dtype), v))
+    page_size = cache_k.shape[3]
+    block_tokens = block_pages * page_size
+
+    def context_block(j, state):
+        m, l, acc = state
+        pages = jax.lax.dynamic_slice_in_dim(meta.token_pages, j * block_pages, block_pages,
+                                             axis=1)  # [T, bp]
+        kb = _gather_token_pages(cache_k, layer, pages)  # [T, K, bp * S, h]
+        vb = _gather_token_pages(cache_v, layer, pages)
+        scores = _einsum_f32("tkgh,tksh->tkgs", q, kb)  # [T, K, G, bp * S]
+        key_pos = j * block_tokens + jnp.arange(block_tokens)
+        visible = key_pos[None, :] < meta.cached_lens[:, None]  # [T, bp * S]
+        scores = jnp.where(visible[:, None, None, :], scores, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+        p = jnp.exp(scores - m_new[..., None])
+        rescale = jnp.exp(m - m_new)
+        acc = acc * rescale[..., None] + _einsum_f32("tkgs,tksh->tkgh", p.astype(vb.dtype), vb)
+        return m_new, l * rescale + jnp.sum(p, axis=-1), acc
+
+    _, l, acc = jax.lax.fori_loop(0, meta.num_context_blocks, context_block, state)
+    return (acc / l[..., None]).reshape(tokens, num_heads, head_dim).astype(q.dtype)
+
+
+def _gather_token_pages(cache: jax.Array, layer: jax.Array, pages: jax.Array) -> jax.Array:
+    """cache [L, K, P, S, h] at `layer`, pages [T, bp] -> [T, K, bp * S, h]."""
+    blocks = cache[layer, :, pages]  # one gather: [T, bp, K, S, h]
+    tokens, num_pages, kv_heads, page_size, head_dim = blocks.shape
+    return blocks.transpose(0, 2, 1, 3, 4).reshape(tokens, kv_heads, num_pages * page_size,
+                                                   head_dim)
+
+
+def ragged_attention_pallas_gpu(q: jax.Array, k: jax.Array, v: jax.Array, cache_k: jax.Array,
+                                cache_v: jax.Array, layer: jax.Array, meta: RaggedMeta, *,
+                                block_pages: int, interpret: bool = False) -> jax.Array:
+    """The NVIDIA GPU backend: JAX's Pallas (Triton) paged-attention kernel, one query per token.
+
+    The kernel serves one query per row, so each token is a row with its own sequence's page
+    table and a length of `position + 1`: this step's keys were written first, so the kernel
+    reads them from the cache too and causality falls out of the lengths. It does not scale the
+    scores: q is pre-scaled. `interpret=True` runs it on the CPU (slowly), for the parity test.
+    """
+    del k, v, block_pages
+    from jax.experimental.pallas.ops.gpu import paged_attention as pallas_paged
+
+    head_dim = q.shape[-1]
+    num_pages = meta.token_pages.shape[1]
+    k_splits = math.gcd(num_pages, 16)
+    out = pallas_paged.paged_attention(
+        q * head_dim ** -0.5, cache_k[layer], cache_v[layer], meta.token_pages,
+        meta.positions + 1, k_splits=k_splits,
+        pages_per_compute_block=min(8, num_pages // k_splits), interpret=interpret)
+    return out.astype(q.dtype)
+
+
+ATTENTION_BACKENDS = {"jnp": ragged_attention_jnp, "pallas-gpu": ragged_attention_pallas_gpu}
+
+
+def default_backend(platform: str) -> str:
+    """The attention backend `auto` means on `platform` ("cpu", "gpu", "tpu")."""
+    return "pallas-gpu" if platform == "gpu" else "jnp"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RaggedContext:
+    """What attention reads and writes in a ragged step: the caches, the step's metadata, and the
+    backend (static)."""
+
+    k: jax.Array
+    v: jax.Array
+    meta: RaggedMeta
+    backend: str = dataclasses.field(metadata=dict(static=True))
+    block_pages: int = dataclasses.field(metadata=dict(static=True))
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array,
+               layer: jax.Array) -> tuple[jax.Array, "RaggedContext"]:
+        """q [T, H, h], k/v [T, K, h] -> [T, H, h]. Writes before it reads."""
+        cache_k, cache_v = write_kv(self.k, self.v, layer, k, v, self.meta.write_slots)
+        out = ATTENTION_BACKENDS[self.backend](q, k, v, cache_k, cache_v, layer, self.meta,
+                                               block_pages=self.block_pages)
+        return out, dataclasses.replace(self, k=cache_k, v=cache_v)
+
+
+def ragged_context(cache: KVCache, batch: RaggedBatch, *, backend: str,
+                   block_pages: int) -> RaggedContext:
+    meta = ragged_meta(batch, page_size=cache.page_size, block_pages=block_pages)
+    return RaggedContext(k=cache.k, v=cache.v, meta=meta, backend=backend,
+                         block_pages=block_pages)

@@ -1,25 +1,32 @@
-"""The model runner: turns a step plan into padded device arrays and runs the compiled step.
+"""The model runner: turns a step plan into one ragged device call and runs the compiled step.
 
-It owns the weights, the KV cache and the jitted step. It pads every sub-batch to a bucket shape
-`(rows, tokens, pages)`, so the number of compiled programs is bounded by the bucket sets, and it
-makes one device-to-host copy per step (sampled tokens and their logprobs).
+It owns the weights, the KV cache and the jitted step. Every sub-batch of a plan (prefill chunks,
+decodes, or both) is flattened into one `RaggedBatch`: the real new tokens back to back, padded
+only to a token bucket T (powers of two up to `max_num_batched_tokens`), with S = min(T,
+`max_rows`) sequence slots. So the compiled set is one program per token bucket, plus one per
+bucket of at least `MIN_TARGET_TOKENS` for steps that return prompt logprobs: at most 16 for the
+default config, whatever the mix of prompt lengths, contexts and batch sizes. The page table
+always has its full width; attention reads only the pages the step's contexts need
+(`meshserve.model.attention`). One device-to-host copy per step brings back the sampled tokens
+and their logprobs.
 
-The buckets come from one function, `bucket_sizes`, used both by `warmup` and at run time.
-
-Padding rows have `num_new = 0` and `kv_lens = 0`: they write to the dummy page 0 and their outputs
-are dropped.
+A lockstep sub-batch (the static baseline) keeps its rows padded: each row takes the sub-batch's
+full width of token slots, and a padding row takes them too, so the baseline computes what static
+batching computes. Padding slots write to the dummy page 0 and are never attended to.
 
 Placement comes from a `DeviceLayout` (built by `meshserve.sharding.layout`): the weights, the KV
-pages and the per-row arrays go to the devices already sharded, and the step runs under
-`jax.shard_map` over the replica axes, so each data-parallel replica computes its own rows against
-its own slice of the page pool while XLA partitions the tensor-parallel axes inside. Rows of
-replica r sit in block r of every sub-batch, each block padded to the same row bucket; page ids in
-a plan are local to the row's replica (each replica has its own dummy page 0). Without a layout the
-step runs on the default device. Knobs that change compiled shapes (and so cost a compile each): the bucket sets,
-`num_pages`, `page_size`, and whether prompt logprobs are asked for.
+pages and the step arrays go to the devices already sharded, and the step runs under
+`jax.shard_map` over the replica axes, so each data-parallel replica computes its own tokens
+against its own slice of the page pool while XLA partitions the tensor-parallel axes inside. Each
+replica's tokens sit in block r of the token slots and its sequences in block r of the sequence
+slots, every block padded to the same bucket; sequence and token indices inside a block are local
+to it, and page ids are local to the row's replica (each replica has its own dummy page 0).
+Without a layout the step runs on the default device. Knobs that change compiled shapes (and so
+cost a compile each): `max_num_batched_tokens`, `max_rows`, `num_pages`, `page_size`,
+`max_pages_per_seq`, `max_logprobs`, `max_stop_ids`, `attention` and `context_block_pages`.
 
 Several processes (`meshserve.serving.multihost`): `execute` is split into `host_call` (the
-padded host arrays of one compiled call, keyed by its bucket) and `run_calls` (transfer and
+padded host arrays of the step's compiled call, keyed by its bucket) and `run_calls` (transfer and
 dispatch). Process 0 sends each step's host arrays through `channel` before running them; the
 other processes rebuild the same shapes from the keys (`template`) and call `run_calls` with the
 arrays they received. Sampled tokens then come back replicated (`output_sharding`).
@@ -32,9 +39,7 @@ import dataclasses
 import functools
 import time
 from pathlib import Path
-from typing import Sequence
-
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -43,48 +48,89 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
-from meshserve.batching.buckets import bucket_sizes, pick_bucket, token_bucket_sizes
-
-from meshserve.batching.plan import SamplingArrays, SubBatchPlan, empty_sub_batch, greedy_sampling
-from meshserve.model.attention import KVCache, SubBatch, init_kv_cache
-from meshserve.model.sampler import DeviceSampling, host_sampling
-from meshserve.model.steps import sample_step
+from meshserve.batching.buckets import bucket_sizes, pick_bucket
+from meshserve.batching.plan import SamplingArrays, SubBatchPlan, greedy_sampling
+from meshserve.model.attention import (ATTENTION_BACKENDS, KVCache, RaggedBatch, SubBatch,
+                                       default_backend, init_kv_cache)
+from meshserve.model.sampler import DeviceSampling, concat_sampling, host_sampling
+from meshserve.model.steps import ragged_step
 
 _COMPILE_EVENT_PREFIX = "/jax/core/compile/"
 _BACKEND_COMPILE_EVENT = _COMPILE_EVENT_PREFIX + "backend_compile_duration"
 _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
+# Steps that return prompt logprobs pad to at least this many token slots, so their variant of
+# the step is compiled for the wider buckets only.
+MIN_TARGET_TOKENS = 16
+ATTENTION_CHOICES = ("auto", *ATTENTION_BACKENDS)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunnerConfig:
-    """Cache geometry and the largest shapes one step may have. Every field costs compiles."""
+    """Cache geometry and the largest step. Every field changes the compiled programs."""
 
     num_pages: int = 512
     page_size: int = 16
-    max_rows: int = 16  # sequences per sub-batch
-    max_tokens: int = 512  # new tokens per row in a prefill sub-batch
+    max_rows: int = 16  # sequences per step
+    max_num_batched_tokens: int = 512  # token slots per step: the widest token bucket
     max_pages_per_seq: int = 128  # context per sequence = max_pages_per_seq * page_size
     max_logprobs: int = 20  # top-K logprobs computed every step
     max_stop_ids: int = 16  # EOS and stop token ids masked per row under min_tokens
+    attention: str = "auto"  # attention backend: "auto" (by platform), "jnp" or "pallas-gpu"
+    context_block_pages: int = 8  # pages of cached context attention reads per loop iteration
 
     def __post_init__(self):
+        if self.attention not in ATTENTION_CHOICES:
+            raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got "
+                             f"{self.attention!r}")
         for field in dataclasses.fields(self):
-            if getattr(self, field.name) < 1:
-                raise ValueError(f"{field.name} must be >= 1, got {getattr(self, field.name)}")
+            value = getattr(self, field.name)
+            if isinstance(value, int) and value < 1:
+                raise ValueError(f"{field.name} must be >= 1, got {value}")
         if self.num_pages < 2:
             raise ValueError("num_pages must be >= 2: page 0 is the reserved dummy page")
-
-    @property
-    def row_buckets(self) -> tuple[int, ...]:
-        return bucket_sizes(self.max_rows)
+        if self.max_num_batched_tokens < self.max_rows:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                             f"max_rows ({self.max_rows}): every sequence needs a token slot")
 
     @property
     def token_buckets(self) -> tuple[int, ...]:
-        return token_bucket_sizes(self.max_tokens)
+        """The token-slot counts a step is compiled for."""
+        return bucket_sizes(self.max_num_batched_tokens)
 
     @property
-    def page_buckets(self) -> tuple[int, ...]:
-        return bucket_sizes(self.max_pages_per_seq, min_size=min(4, self.max_pages_per_seq))
+    def target_buckets(self) -> tuple[int, ...]:
+        """The token buckets of the prompt-logprobs variant."""
+        return tuple(t for t in self.token_buckets
+                     if t >= min(MIN_TARGET_TOKENS, self.max_num_batched_tokens))
+
+    @property
+    def block_pages(self) -> int:
+        return min(self.context_block_pages, self.max_pages_per_seq)
+
+    @property
+    def page_table_width(self) -> int:
+        """max_pages_per_seq rounded up to whole context blocks."""
+        return -(-self.max_pages_per_seq // self.block_pages) * self.block_pages
+
+    @property
+    def history_width(self) -> int:
+        """Token ids of history each sampled row carries, for the penalties: its whole context."""
+        return self.max_pages_per_seq * self.page_size
+
+    def num_seqs(self, num_tokens: int) -> int:
+        """Sequence slots of a step with `num_tokens` token slots: every sequence has a token."""
+        return min(num_tokens, self.max_rows)
+
+    def backend(self) -> str:
+        """The attention backend, with "auto" settled against the default JAX platform."""
+        return default_backend(jax.default_backend()) if self.attention == "auto" \
+            else self.attention
+
+    def step_keys(self) -> list[tuple[int, int]]:
+        """Every compiled call's key `(token slots per replica, has targets)`."""
+        return ([(t, 0) for t in self.token_buckets]
+                + [(t, 1) for t in self.target_buckets])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,11 +150,13 @@ class DeviceLayout:
 
 @dataclasses.dataclass(frozen=True)
 class HostCall:
-    """One compiled call's inputs on the host, padded to their bucket."""
+    """One compiled call's inputs on the host, padded to their bucket, and where each plan row's
+    results sit in its outputs."""
 
-    key: tuple[int, int, int, int]  # (rows per replica, tokens, pages, has targets): the bucket
-    arrays: tuple[SubBatch, DeviceSampling]  # numpy leaves
-    index: np.ndarray  # where each plan row sits in the padded rows
+    key: tuple[int, int]  # (token slots per replica, has targets): the bucket
+    arrays: tuple[RaggedBatch, DeviceSampling]  # numpy leaves
+    seq_index: tuple[np.ndarray, ...]  # per sub-batch [B]: each row's sequence slot
+    token_index: tuple[np.ndarray, ...]  # per sub-batch [B, W]: each row's token slots
 
 
 class PlanChannel(Protocol):
@@ -133,7 +181,8 @@ class SampledRows:
 
 
 class ModelRunner:
-    """`config.num_pages` and `config.max_rows` are per replica."""
+    """`config.num_pages`, `config.max_rows` and `config.max_num_batched_tokens` are per
+    replica."""
 
     def __init__(self, model: nnx.Module, config: RunnerConfig = RunnerConfig(),
                  layout: DeviceLayout | None = None):
@@ -141,7 +190,7 @@ class ModelRunner:
         self.config = config
         self.layout = layout
         # Seconds the last `execute` waited for the device, after every call was dispatched:
-        # the rest of its time is host work (padding, transfers, dispatch).
+        # the rest of its time is host work (flattening, transfers, dispatch).
         self.last_wait_seconds = 0.0
         self.num_replicas = layout.num_replicas if layout is not None else 1
         self.graphdef, params = nnx.split(model)
@@ -154,68 +203,77 @@ class ModelRunner:
         self.cache: KVCache = init() if layout is None else jax.jit(
             init, out_shardings=layout.cache)()
         step = functools.partial(
-            sample_step, self.graphdef, num_top_logprobs=config.max_logprobs,
+            ragged_step, self.graphdef, num_top_logprobs=config.max_logprobs,
+            attention=config.backend(), block_pages=config.block_pages,
             constrain=None if layout is None else layout.constrain,
             replica_axes=() if layout is None else layout.replica_axes)
         self._step = compile_step(step, layout)
         self.channel: PlanChannel | None = None  # a multi-process run sets it on every process
         # (only process 0 sends; see meshserve.serving.multihost)
 
-    def padded_shape(self, plan: SubBatchPlan) -> tuple[int, int, int]:
-        """The bucket `(rows per replica, tokens, pages)` that `plan` runs at."""
-        rows = np.bincount(_replicas(plan), minlength=self.num_replicas).max()
-        c = self.config
-        width = plan.tokens.shape[1]
-        tokens = 1 if width == 1 else pick_bucket(width, c.token_buckets)
-        return (pick_bucket(int(rows), c.row_buckets), tokens,
-                pick_bucket(plan.page_table.shape[1], c.page_buckets))
+    def step_key(self, sub_batches: Sequence[SubBatchPlan]) -> tuple[int, int]:
+        """The bucket `(token slots per replica, has targets)` that a step of `sub_batches`
+        runs at."""
+        slots = np.zeros(self.num_replicas, np.int64)
+        for plan in sub_batches:
+            np.add.at(slots, _replicas(plan), _row_slots(plan))
+        has_targets = any(plan.targets is not None for plan in sub_batches)
+        needed = int(slots.max(initial=1))
+        if has_targets:
+            needed = max(needed, self.config.target_buckets[0])
+        if needed > self.config.max_num_batched_tokens:
+            raise ValueError(f"a step of {needed} token slots exceeds max_num_batched_tokens="
+                             f"{self.config.max_num_batched_tokens}")
+        return pick_bucket(needed, self.config.token_buckets), int(has_targets)
+
+    def padded_tokens(self, sub_batches: Sequence[SubBatchPlan]) -> int:
+        """Token slots the step of `sub_batches` computes, on every replica together."""
+        return self.step_key(sub_batches)[0] * self.num_replicas
 
     def execute(self, sub_batches: Sequence[SubBatchPlan],
                 sampling: Sequence[SamplingArrays] | None = None) -> list[SampledRows]:
-        """Runs one step; returns each real row's sampled token (greedy when `sampling` is None).
-
-        Each sub-batch is its own compiled call, so the compiled set is the union of the prefill
-        and the decode shapes rather than their product. The calls are dispatched back to back
-        and their results come to the host in one copy.
-        """
+        """Runs one step as one compiled call; returns each real row's sampled token (greedy
+        when `sampling` is None)."""
         if sampling is None:
             sampling = [greedy_sampling(b.num_rows) for b in sub_batches]
-        calls = [self.host_call(plan, s) for plan, s in zip(sub_batches, sampling)]
+        call = self.host_call(sub_batches, sampling)
         with peer_errors(self.channel):
-            outs = self.run_calls([c.key for c in calls], [c.arrays for c in calls])
+            (out,) = self.run_calls([call.key], [call.arrays])
             started = time.perf_counter()
-            host = jax.device_get(outs)  # the step's one copy to the host
+            host = jax.device_get(out)  # the step's one copy to the host
         self.last_wait_seconds = time.perf_counter() - started
-        return [_unpad(o, p, c.index) for o, p, c in zip(host, sub_batches, calls)]
+        return [_unpad(host, plan, seqs, slots) for plan, seqs, slots
+                in zip(sub_batches, call.seq_index, call.token_index)]
 
-    def host_call(self, plan: SubBatchPlan, sampling: SamplingArrays) -> HostCall:
-        """`plan`'s host arrays, padded to its bucket: exactly what its compiled call reads."""
-        shape = self.padded_shape(plan)
-        index = self.row_index(plan, shape[0])
-        rows = shape[0] * self.num_replicas
-        batch = pad_sub_batch(plan, (rows, *shape[1:]), index=index)
-        banned = sampling.banned_ids
-        if banned is not None and banned.shape[1] > self.config.max_stop_ids:
-            raise ValueError(f"{banned.shape[1]} stop token ids exceed max_stop_ids="
-                             f"{self.config.max_stop_ids}")
-        host = host_sampling(sampling, min_tokens=sampling.min_tokens,
-                             banned_ids=sampling.banned_ids, rows=rows,
-                             history_width=shape[2] * self.config.page_size,
+    def host_call(self, sub_batches: Sequence[SubBatchPlan],
+                  sampling: Sequence[SamplingArrays]) -> HostCall:
+        """The step's host arrays, flattened and padded to its bucket: exactly what its
+        compiled call reads."""
+        key = self.step_key(sub_batches)
+        batch, seq_index, token_index = self._flatten(sub_batches, *key)
+        if any(s.banned_ids is not None and s.banned_ids.shape[1] > self.config.max_stop_ids
+               for s in sampling):
+            raise ValueError(f"more stop token ids than max_stop_ids={self.config.max_stop_ids}")
+        rows = self.config.num_seqs(key[0]) * self.num_replicas
+        index = np.concatenate(seq_index) if seq_index else np.zeros(0, np.int64)
+        merged = concat_sampling(sampling) if sampling else greedy_sampling(0)
+        host = host_sampling(merged, rows=rows, history_width=self.config.history_width,
                              banned_width=self.config.max_stop_ids, index=index)
-        return HostCall(key=(*shape, int(plan.targets is not None)), arrays=(batch, host),
-                        index=index)
+        return HostCall(key=key, arrays=(batch, host), seq_index=seq_index,
+                        token_index=token_index)
 
-    def template(self, key: tuple[int, ...]) -> tuple[SubBatch, DeviceSampling]:
+    def template(self, key: tuple[int, ...]) -> tuple[RaggedBatch, DeviceSampling]:
         """Zero host arrays shaped like those of any call with bucket `key` (see `host_call`)."""
-        rows, tokens, pages, has_targets = key
-        empty = empty_sub_batch(rows * self.num_replicas, tokens, pages,
-                                with_targets=bool(has_targets))
-        replicas = np.repeat(np.arange(self.num_replicas, dtype=np.int32), rows)
-        plan = dataclasses.replace(empty, replicas=replicas)
-        return self.host_call(plan, greedy_sampling(plan.num_rows)).arrays
+        tokens, has_targets = key
+        batch, _, _ = self._flatten((), tokens, has_targets)
+        rows = self.config.num_seqs(tokens) * self.num_replicas
+        host = host_sampling(greedy_sampling(0), rows=rows,
+                             history_width=self.config.history_width,
+                             banned_width=self.config.max_stop_ids, index=np.zeros(0, np.int64))
+        return batch, host
 
     def run_calls(self, keys: Sequence[tuple[int, ...]],
-                  arrays: Sequence[tuple[SubBatch, DeviceSampling]]) -> list:
+                  arrays: Sequence[tuple[RaggedBatch, DeviceSampling]]) -> list:
         """Dispatches one compiled call per entry of `arrays`; returns their device outputs.
 
         With a plan channel (multi-process, on process 0) the calls are first sent to the other
@@ -227,37 +285,67 @@ class ModelRunner:
         outs = []
         for batch, sampling in arrays:
             batch, sampling = to_devices((batch, sampling), sharding)
-            (out,), self.cache = self._step(self.params, self.cache, (batch,), (sampling,))
+            out, self.cache = self._step(self.params, self.cache, batch, sampling)
             outs.append(out)
         return outs
 
-    def row_index(self, plan: SubBatchPlan, rows_per_replica: int) -> np.ndarray:
-        """Where each plan row sits in the padded sub-batch: block r holds replica r's rows."""
-        replicas = _replicas(plan)
-        assert replicas.max(initial=0) < self.num_replicas, "a row names a replica out of range"
-        index = np.empty(plan.num_rows, np.int64)
-        for r in range(self.num_replicas):
-            (mine,) = np.nonzero(replicas == r)
-            index[mine] = r * rows_per_replica + np.arange(mine.size)
-        return index
+    def warmup(self, keys: Sequence[tuple[int, int]] | None = None, *,
+               progress: bool = True) -> None:
+        """Compiles the step for each key (default: `config.step_keys()`), running padding
+        only."""
+        keys = self.config.step_keys() if keys is None else keys
+        for key in tqdm(keys, desc="warming up", unit="program", disable=not progress):
+            (out,) = self.run_calls([key], [self.template(key)])
+            jax.block_until_ready(out)
 
-    def warmup_shapes(self, *, max_batched_tokens: int) -> list[tuple[int, int, int]]:
-        """Every bucket a step may use: decode shapes, then prefill shapes whose padded size
-        `rows * tokens` stays within the token budget (the scheduler's `fits_padded_budget`)."""
-        c = self.config
-        decode = [(r, 1, p) for r in c.row_buckets for p in c.page_buckets]
-        prefill = [(r, t, p) for r in c.row_buckets for t in c.token_buckets
-                   for p in c.page_buckets if r * t <= max(max_batched_tokens, t)]
-        return decode + prefill
-
-    def warmup(self, shapes: Sequence[tuple[int, int, int]], *, progress: bool = True) -> None:
-        """Compiles the step for each bucket shape, running padding rows only."""
-        for rows, tokens, pages in tqdm(shapes, desc="warming up", unit="bucket",
-                                        disable=not progress):
-            empty = empty_sub_batch(rows * self.num_replicas, tokens, pages)
-            replicas = np.repeat(np.arange(self.num_replicas, dtype=np.int32), rows)
-            self.execute([dataclasses.replace(empty, replicas=replicas)])
-
+    def _flatten(self, sub_batches: Sequence[SubBatchPlan], tokens_per_replica: int,
+                 has_targets: int) -> tuple[RaggedBatch, tuple, tuple]:
+        """Host `RaggedBatch` of `sub_batches`, and where each of their rows landed."""
+        c, replicas = self.config, self.num_replicas
+        num_tokens, num_seqs = tokens_per_replica, c.num_seqs(tokens_per_replica)
+        width, page_size = c.page_table_width, c.page_size
+        zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+        out = dict(tokens=zeros(replicas * num_tokens), positions=zeros(replicas * num_tokens),
+                   token_seq=zeros(replicas * num_tokens), is_real=zeros(replicas * num_tokens),
+                   write_slots=zeros(replicas * num_tokens), kv_lens=zeros(replicas * num_seqs),
+                   num_new=zeros(replicas * num_seqs), last=zeros(replicas * num_seqs),
+                   page_table=zeros(replicas * num_seqs, width),
+                   targets=zeros(replicas * num_tokens) if has_targets else None)
+        next_token = [0] * replicas  # local to each replica's block
+        next_seq = [0] * replicas
+        seq_index, token_index = [], []
+        for plan in sub_batches:
+            if plan.page_table.shape[1] > width:
+                raise ValueError(f"a row of {plan.page_table.shape[1]} pages exceeds "
+                                 f"max_pages_per_seq={c.max_pages_per_seq}")
+            row_slots = _row_slots(plan)
+            seqs = np.empty(plan.num_rows, np.int64)
+            slots = np.empty(plan.tokens.shape, np.int64)
+            for i, replica in enumerate(_replicas(plan)):
+                seq, start = next_seq[replica], next_token[replica]
+                n, count = int(plan.num_new[i]), int(row_slots[i])
+                assert seq < num_seqs and start + count <= num_tokens, "the bucket is too small"
+                next_seq[replica], next_token[replica] = seq + 1, start + count
+                s, t = replica * num_seqs + seq, replica * num_tokens + start
+                seqs[i] = s
+                slots[i] = np.minimum(t + np.arange(plan.tokens.shape[1]),
+                                      replicas * num_tokens - 1)
+                out["tokens"][t:t + count] = plan.tokens[i, :count]
+                out["positions"][t:t + count] = plan.positions[i, :count]
+                out["token_seq"][t:t + count] = seq
+                out["is_real"][t:t + n] = 1
+                positions = plan.positions[i, :n]
+                pages = plan.page_table[i, positions // page_size]
+                out["write_slots"][t:t + n] = pages * page_size + positions % page_size
+                if has_targets and plan.targets is not None:
+                    out["targets"][t:t + count] = plan.targets[i, :count]
+                out["kv_lens"][s] = plan.kv_lens[i]
+                out["num_new"][s] = n
+                out["last"][s] = start + max(n - 1, 0)
+                out["page_table"][s, :plan.page_table.shape[1]] = plan.page_table[i]
+            seq_index.append(seqs)
+            token_index.append(slots)
+        return RaggedBatch(**out), tuple(seq_index), tuple(token_index)
 
 def pad_sub_batch(plan: SubBatchPlan, shape: tuple[int, int, int], *,
                   index: np.ndarray | None = None) -> SubBatch:
@@ -315,13 +403,19 @@ def _replicas(plan: SubBatchPlan) -> np.ndarray:
     return np.zeros(plan.num_rows, np.int32) if plan.replicas is None else plan.replicas
 
 
-def _unpad(out, plan: SubBatchPlan, index: np.ndarray) -> SampledRows:
-    width = plan.tokens.shape[1]
-    prompt = lambda a: None if a is None else np.asarray(a)[index, :width]  # noqa: E731
+def _row_slots(plan: SubBatchPlan) -> np.ndarray:
+    """Token slots each row takes: its new tokens, or the sub-batch's width when lockstep."""
+    if plan.lockstep:
+        return np.full(plan.num_rows, plan.tokens.shape[1], np.int64)
+    return plan.num_new.astype(np.int64)
+
+
+def _unpad(out, plan: SubBatchPlan, seqs: np.ndarray, slots: np.ndarray) -> SampledRows:
+    prompt = lambda a: None if a is None else np.asarray(a)[slots]  # noqa: E731
     s = out.sampled
     return SampledRows(
-        tokens=np.asarray(s.tokens)[index], logprobs=np.asarray(s.logprobs)[index],
-        top_ids=np.asarray(s.top_ids)[index], top_logprobs=np.asarray(s.top_logprobs)[index],
+        tokens=np.asarray(s.tokens)[seqs], logprobs=np.asarray(s.logprobs)[seqs],
+        top_ids=np.asarray(s.top_ids)[seqs], top_logprobs=np.asarray(s.top_logprobs)[seqs],
         prompt_logprobs=prompt(out.prompt_logprobs), prompt_top_ids=prompt(out.prompt_top_ids),
         prompt_top_logprobs=prompt(out.prompt_top_logprobs))
 

@@ -25,6 +25,7 @@ History and banned ids use -1 as padding; padding never touches a logit.
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -114,6 +115,21 @@ def host_sampling(arrays: SamplingArrays, *, min_tokens: np.ndarray | None = Non
     padded = {name: _pad(np.asarray(value), name, rows or num_rows, widths.get(name), index)
               for name, value in host.items()}
     return DeviceSampling(**padded)
+
+
+def concat_sampling(arrays: Sequence[SamplingArrays]) -> SamplingArrays:
+    """The rows of several sub-batches' sampling arrays, in order, widths padded to the widest
+    with the neutral value of each field."""
+    hosts = [host_sampling(a) for a in arrays]
+    merged = {}
+    for name, (dtype, fill) in _FIELDS.items():
+        values = [np.asarray(getattr(h, name)) for h in hosts]
+        if values[0].ndim == 2:
+            width = max(v.shape[1] for v in values)
+            values = [np.pad(v, ((0, 0), (0, width - v.shape[1])), constant_values=fill)
+                      for v in values]
+        merged[name] = np.concatenate(values).astype(dtype)
+    return SamplingArrays(**merged)
 
 
 def _pad(value: np.ndarray, name: str, rows: int, width: int | None,

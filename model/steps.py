@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshserve.model.attention import KVCache, SubBatch, dense_context, paged_context
+from meshserve.model.attention import (KVCache, RaggedBatch, SubBatch, dense_context,
+                                       paged_context, ragged_context)
 from meshserve.model.sampler import DeviceSampling, Sampled, sample
 from meshserve.model.transformer import run_layers
 
@@ -103,3 +104,38 @@ def forward_dense(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array,
     hidden, _ = run_layers(model, tokens.reshape(-1), positions.reshape(-1),
                            dense_context(lengths, width))
     return model.logits(hidden).astype(jnp.float32).reshape(rows, width, -1)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RaggedOutput:
+    """A ragged step's result: each sequence's sampled token, and prompt logprobs when asked."""
+
+    sampled: Sampled  # [S] rows
+    prompt_logprobs: jax.Array | None = None  # [T] logprob of targets[t] after token t
+    prompt_top_ids: jax.Array | None = None  # [T, K]
+    prompt_top_logprobs: jax.Array | None = None  # [T, K]
+
+
+def ragged_step(graphdef: nnx.GraphDef, params: nnx.State, cache: KVCache, batch: RaggedBatch,
+                sampling: DeviceSampling, *, num_top_logprobs: int, attention: str,
+                block_pages: int, constrain=None, replica_axes: tuple[str, ...] = ()
+                ) -> tuple[RaggedOutput, KVCache]:
+    """One serving step over a flat batch of tokens against the paged cache, then each
+    sequence's next token sampled on device. `attention` names the backend
+    (`meshserve.model.attention.ATTENTION_BACKENDS`)."""
+    model = nnx.merge(graphdef, params)
+    ctx = ragged_context(cache, batch, backend=attention, block_pages=block_pages)
+    hidden, ctx = run_layers(model, batch.tokens, batch.positions, ctx, constrain)  # [T, D]
+    logits = model.logits(hidden[batch.last]).astype(jnp.float32)  # [S, V]
+    sampled = sample(logits, sampling, num_top_logprobs=num_top_logprobs,
+                     replica_axes=replica_axes)
+    new_cache = KVCache(k=ctx.k, v=ctx.v)
+    if batch.targets is None:
+        return RaggedOutput(sampled=sampled), new_cache
+    all_logprobs = jax.nn.log_softmax(model.logits(hidden).astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(all_logprobs, batch.targets[:, None], axis=-1)[:, 0]  # [T]
+    top_logprobs, top_ids = jax.lax.top_k(all_logprobs, num_top_logprobs)  # [T, K]
+    return RaggedOutput(sampled=sampled, prompt_logprobs=chosen,
+                        prompt_top_ids=top_ids.astype(jnp.int32),
+                        prompt_top_logprobs=top_logprobs), new_cache

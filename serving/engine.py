@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
 import time
 from typing import Sequence
 
@@ -32,8 +33,8 @@ from meshserve.batching.scheduler import (DEFAULT_KV_WATERMARK, ORDERINGS, Sched
                                           SchedulerConfig, stop_status_at)
 from meshserve.model.hub import cache_root
 from meshserve.model.length_predictor import LearnedPredictor
-from meshserve.model.runner import (CompileCounter, ModelRunner, RunnerConfig, SampledRows,
-                                    enable_compilation_cache)
+from meshserve.model.runner import (ATTENTION_CHOICES, CompileCounter, ModelRunner,
+                                    RunnerConfig, SampledRows, enable_compilation_cache)
 from meshserve.model.pipeline import PipelineRunner
 from meshserve.model.tokenizer import IncrementalDecoder, Tokenizer
 from meshserve.serving.multihost import payload_sizes
@@ -72,6 +73,8 @@ class EngineConfig:
     length_predictor: str | None = None  # "predicted": a saved predictor (.npz) to start from;
     # None starts from the prior. Either way it keeps learning from finished requests.
     max_logprobs: int = 20  # (compile) top logprobs computed each step
+    attention: str = "auto"  # (compile) attention backend: "auto" picks by platform ("jnp" on
+    # CPU, "pallas-gpu" on NVIDIA GPUs); "jnp" is the portable reference everywhere
     pipeline_rounds: int = 4  # (compile) steps one pipeline call runs before the host steps in
     # (stage > 1 only; 1 for any call with a penalty, which needs every token on the host)
     bubble_filling: bool = True  # stage > 1: overlap rounds and fill idle stage slots with
@@ -96,6 +99,9 @@ class EngineConfig:
         if self.prefill_chunk > self.max_num_batched_tokens:
             raise ValueError(f"prefill_chunk ({self.prefill_chunk}) must not exceed "
                              f"max_num_batched_tokens ({self.max_num_batched_tokens})")
+        if self.attention not in ATTENTION_CHOICES:
+            raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got "
+                             f"{self.attention!r}")
 
     def _check_watermark(self) -> None:
         """A fraction, stored as a float so that 0 is not taken for a count below 1."""
@@ -121,9 +127,10 @@ class EngineConfig:
     def runner_config(self) -> RunnerConfig:
         assert self.max_model_len is not None, "call for_model() first"
         return RunnerConfig(num_pages=self.num_pages, page_size=self.page_size,
-                            max_rows=self.max_num_seqs, max_tokens=self.prefill_chunk,
+                            max_rows=self.max_num_seqs,
+                            max_num_batched_tokens=self.max_num_batched_tokens,
                             max_pages_per_seq=-(-self.max_model_len // self.page_size),
-                            max_logprobs=self.max_logprobs)
+                            max_logprobs=self.max_logprobs, attention=self.attention)
 
     def unit_shape(self) -> UnitShape:
         """The shapes of a pipeline call: S decode lanes of ceil(max_num_seqs / S) rows, prefill
@@ -148,7 +155,8 @@ class EngineConfig:
             num_pages=self.num_pages, page_size=self.page_size, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, prefill_chunk=self.prefill_chunk,
             max_model_len=self.max_model_len, policy=self.policy,
-            token_buckets=self.runner_config().token_buckets,
+            # The ragged step runs any chunk length unpadded: chunks are never cut to buckets.
+            token_buckets=(self.prefill_chunk,), bound_padded_prefill=False,
             eos_token_ids=tuple(eos_token_ids), num_replicas=num_replicas,
             enable_prefix_caching=self.enable_prefix_caching, kv_watermark=self.kv_watermark,
             ordering=self.ordering)
@@ -213,21 +221,25 @@ class Engine:
         the same point and in the same order (the plan stream stays out of it), and then the
         broadcast of every plan size the buckets can send."""
         channel, self.runner.channel = self.runner.channel, None
+        started = time.perf_counter()
         try:
             with CompileCounter() as compiles:
                 if self.is_pipelined:  # one program runs every schedule
                     keys = [()]
                     self.runner.execute(build_schedule([], self.runner.shape))
                 else:
-                    shapes = self.runner.warmup_shapes(
-                        max_batched_tokens=self.config.max_num_batched_tokens)
-                    keys = [(*shape, targets) for shape in shapes for targets in (0, 1)]
-                    self.runner.warmup(shapes, progress=progress)
+                    keys = self.runner.config.step_keys()
+                    self.runner.warmup(keys, progress=progress)
                 if channel is not None:
                     channel.warmup(payload_sizes(self.runner, keys))
         finally:
             self.runner.channel = channel
         self.stats.warmup_compiles += compiles.count
+        self.stats.warmup_seconds += time.perf_counter() - started
+        if progress:
+            print(f"meshserve: compiled {compiles.count} programs in "
+                  f"{self.stats.warmup_seconds:.1f} s ({compiles.num_cache_hits} from the "
+                  f"compilation cache)", file=sys.stderr, flush=True)
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, priority: int = 0) -> str:
@@ -496,7 +508,8 @@ class EngineStats:
     """Counters of what the engine computed, for benchmarks and metrics."""
 
     num_steps: int = 0
-    warmup_compiles: int = 0
+    warmup_compiles: int = 0  # programs compiled (or loaded from the cache) at warm-up
+    warmup_seconds: float = 0.0
     compiles_after_warmup: int = 0
     step_seconds: float = 0.0  # in `runner.execute`, host preparation included
     device_wait_seconds: float = 0.0  # of which waiting for the device once all was dispatched
@@ -512,15 +525,18 @@ class EngineStats:
         self.num_steps += 1
         self.step_seconds += seconds
         self.compiles_after_warmup += compiles
-        for batch in plan.sub_batches:
-            rows, tokens, _ = runner.padded_shape(batch)
-            rows *= runner.num_replicas
-            if tokens == 1:
-                self.decode_tokens += batch.num_tokens
-                self.decode_slots += rows
-            else:
-                self.prefill_tokens += batch.num_tokens
-                self.prefill_slots += rows * tokens
+        # Decodes take one slot each. A step's padding (its token bucket less its tokens)
+        # counts as prefill padding when the step has any prefill, else as decode padding.
+        is_decode = [b.tokens.shape[1] == 1 for b in plan.sub_batches]
+        decode = sum(b.num_tokens for b, d in zip(plan.sub_batches, is_decode) if d)
+        slots = runner.padded_tokens(plan.sub_batches)
+        self.decode_tokens += decode
+        self.prefill_tokens += plan.num_tokens - decode
+        if all(is_decode):
+            self.decode_slots += slots
+        else:
+            self.decode_slots += decode
+            self.prefill_slots += slots - decode
 
     def record_pipeline(self, schedule: PipelineSchedule, seconds: float, compiles: int) -> None:
         """A pipeline call: its rounds count as steps; its units' slots as padding."""

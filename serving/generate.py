@@ -44,7 +44,7 @@ def generate_greedy(runner: ModelRunner, prompts: Sequence[Sequence[int]], *,
 
 
 def _prefill(runner, rows, pages, stop_token_ids, max_new_tokens) -> None:
-    chunk = runner.config.max_tokens
+    chunk = runner.config.max_num_batched_tokens // len(rows)  # every row's chunk in one step
     longest = max(len(r.prompt_ids) for r in rows)
     for start in range(0, longest, chunk):
         live = [i for i, r in enumerate(rows) if len(r.prompt_ids) > start]

@@ -1,5 +1,7 @@
 """The paged steps against full recomputation, and the compile-once guarantee of the runner."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -72,39 +74,49 @@ def test_prompt_logprobs_match_dense_log_softmax():
     np.testing.assert_allclose(out.prompt_logprobs[0, :20], want, atol=1e-5, rtol=1e-5)
 
 
-def test_runner_compiles_once_per_bucket():
+def test_runner_compiles_one_program_per_token_bucket():
+    """Rows, prompt widths and context lengths never cost a compile: only the token bucket."""
     runner = ModelRunner(_model("tiny-llama"), RunnerConfig(
-        num_pages=32, page_size=4, max_rows=4, max_tokens=32, max_pages_per_seq=8))
-    plan = lambda n, cached: sub_batch_from_rows(  # noqa: E731
-        [([1] * n, cached, [1, 2, 3, 4])], page_size=4)
-    runner.execute([plan(11, 0)])
+        num_pages=32, page_size=4, max_rows=4, max_num_batched_tokens=32, max_pages_per_seq=8))
+    assert runner.config.token_buckets == (1, 2, 4, 8, 16, 32)
+    assert runner.config.step_keys() == [(t, 0) for t in (1, 2, 4, 8, 16, 32)] + [
+        (16, 1), (32, 1)]
+    plan = lambda rows: sub_batch_from_rows(rows, page_size=4)  # noqa: E731
+    runner.execute([plan([([1] * 11, 0, [1, 2, 3])])])
     with CompileCounter() as same_bucket:
-        runner.execute([plan(9, 5)])  # 9 tokens pads to the same 16-token bucket as 11
-        runner.execute([plan(1, 14)])
-        runner.execute([plan(1, 14)])
+        runner.execute([plan([([1] * 9, 5, [1, 2, 3, 4])])])  # 9 tokens: the 16-slot bucket
+        runner.execute([plan([([1] * 3, 0, [5]), ([2] * 4, 3, [6, 7]), ([3], 27, [1] * 7)]),
+                        plan([([4], 14, [8, 9, 10, 11])])])  # 4 rows, 9 tokens, mixed
     with CompileCounter() as new_bucket:
-        three_rows = sub_batch_from_rows([([1], 14, [1, 2, 3, 4])] * 3, page_size=4)
-        runner.execute([three_rows])  # a new row bucket
-    assert same_bucket.count == 1  # only the first decode shape
+        runner.execute([plan([([1], 14, [1, 2, 3, 4])] * 3)])  # 3 tokens: the 4-slot bucket
+    assert same_bucket.count == 0
     assert new_bucket.count == 1
+    assert runner.step_key([plan([([1], 0, [1])] * 3)]) == (4, 0)
+    with pytest.raises(ValueError, match="exceeds max_num_batched_tokens=32"):
+        runner.step_key([plan([([1] * 20, 0, [1] * 5)] * 2)])
 
 
-def test_padding_rows_do_not_disturb_real_rows():
+def test_padding_and_company_do_not_disturb_a_row():
+    """A row's token and logprob are the same alone, in a wider bucket, beside other rows, and
+    as a lockstep row padded to a wider sub-batch (the static baseline)."""
     model = _model("tiny-llama")
-    config = RunnerConfig(num_pages=16, page_size=4, max_rows=8, max_tokens=16,
+    config = RunnerConfig(num_pages=16, page_size=4, max_rows=8, max_num_batched_tokens=16,
                           max_pages_per_seq=4)
     alone, padded = ModelRunner(model, config), ModelRunner(model, config)
     rows = [([5, 6, 7], 0, [2, 3])]
     plan = sub_batch_from_rows(rows, page_size=4)
     (want,) = alone.execute([plan])
-    (got,) = padded.execute([sub_batch_from_rows(rows * 1, page_size=4)])
-    assert padded.padded_shape(plan) == (1, 8, 4)
-    np.testing.assert_array_equal(got.tokens, want.tokens)
+    assert alone.step_key([plan]) == (4, 0)
     three = sub_batch_from_rows(rows + [([8], 0, [4]), ([9, 9], 0, [5])], page_size=4)
-    (three_out,) = padded.execute([three])  # pads to 4 rows
-    assert padded.padded_shape(three) == (4, 8, 4)
-    assert three_out.tokens[0] == want.tokens[0]
-    np.testing.assert_allclose(three_out.logprobs[0], want.logprobs[0], atol=1e-6)
+    (three_out,) = padded.execute([three])
+    assert padded.step_key([three]) == (8, 0)
+    lockstep = dataclasses.replace(three, lockstep=True)  # every row takes 3 slots
+    (lockstep_out,) = padded.execute([lockstep])
+    assert padded.padded_tokens([lockstep]) == 16
+    for got in (three_out, lockstep_out):
+        assert got.tokens[0] == want.tokens[0]
+        np.testing.assert_allclose(got.logprobs[0], want.logprobs[0], atol=1e-5)
+    np.testing.assert_array_equal(lockstep_out.tokens, three_out.tokens)
 
 
 def test_bfloat16_model_tracks_float32():
