@@ -77,6 +77,7 @@ class PipelineRunner:
         assert shape.num_stages == self.num_stages and shape.num_replicas == self.num_replicas
         assert model.config.num_layers % self.num_stages == 0, "pad the layers first"
         self.last_wait_seconds = 0.0
+        self.attention = "jnp"  # each stage's units run the portable sub-batch paged attention
         graphdef, params = nnx.split(model)
         self.graphdef, self.params = graphdef, jax.device_put(params, layout.params)
         c = model.config

@@ -208,6 +208,7 @@ class ModelRunner:
             constrain=None if layout is None else layout.constrain,
             replica_axes=() if layout is None else layout.replica_axes)
         self._step = compile_step(step, layout)
+        self.attention = config.backend()
         self.channel: PlanChannel | None = None  # a multi-process run sets it on every process
         # (only process 0 sends; see meshserve.serving.multihost)
 

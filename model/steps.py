@@ -127,7 +127,8 @@ def ragged_step(graphdef: nnx.GraphDef, params: nnx.State, cache: KVCache, batch
     model = nnx.merge(graphdef, params)
     ctx = ragged_context(cache, batch, backend=attention, block_pages=block_pages)
     hidden, ctx = run_layers(model, batch.tokens, batch.positions, ctx, constrain)  # [T, D]
-    logits = model.logits(hidden[batch.last]).astype(jnp.float32)  # [S, V]
+    last = jnp.take_along_axis(hidden, batch.last[:, None], axis=0)  # [S, D]
+    logits = model.logits(last).astype(jnp.float32)  # [S, V]
     sampled = sample(logits, sampling, num_top_logprobs=num_top_logprobs,
                      replica_axes=replica_axes)
     new_cache = KVCache(k=ctx.k, v=ctx.v)

@@ -413,7 +413,49 @@ def decode_runner(model, *, max_batch: int, context: int, page_size: int,
     rows_per_replica = -(-max_batch // replicas)
     return ModelRunner(model, RunnerConfig(
         max_rows=rows_per_replica, num_pages=1 + rows_per_replica * pages_each,
-        page_size=page_size, max_pages_per_seq=pages_each, max_tokens=1), layout)
+        page_size=page_size, max_pages_per_seq=pages_each,
+        max_num_batched_tokens=rows_per_replica), layout)
+
+
+STARTUP_COMMAND = ("generate", "--prompt", "hi", "--max-tokens", "4")
+_STARTUP_LINES = {
+    "load_s": r"loaded .* in ([0-9.]+) s",
+    "programs": r"compiled ([0-9]+) programs",
+    "compile_s": r"compiled [0-9]+ programs in ([0-9.]+) s",
+    "programs_from_cache": r"\(([0-9]+) from the compilation cache\)",
+    "first_token_s": r"first token after ([0-9.]+) s",
+}
+
+
+def measure_startup(model_path: str, *, dtype: str | None = None,
+                    timeout: float = 900.0) -> dict[str, Any]:
+    """`meshserve generate --prompt hi --max-tokens 4` with the default engine, run twice as a
+    fresh process: first with an empty compilation cache, then with the one the first run
+    filled. Each run's phases come from the lines it prints (load, compile, first token, all
+    in seconds since the process started its imports), and `wall_s` is the whole command."""
+    import re
+    import sys
+    import tempfile
+
+    command = [sys.executable, "-m", "meshserve.serving.cli", *STARTUP_COMMAND,
+               "--model", model_path] + (["--dtype", dtype] if dtype else [])
+    runs = {}
+    with tempfile.TemporaryDirectory() as cache:
+        env = os.environ | {"MESHSERVE_CACHE_DIR": cache}
+        for name in ("empty_cache", "warm_cache"):
+            started = time.perf_counter()
+            done = subprocess.run(command, env=env, capture_output=True, text=True,
+                                  timeout=timeout, check=False)
+            if done.returncode != 0:
+                raise RuntimeError(f"startup run failed ({done.returncode}): {done.stderr[-2000:]}")
+            run = {"wall_s": time.perf_counter() - started}
+            for key, pattern in _STARTUP_LINES.items():
+                found = re.search(pattern, done.stderr)
+                run[key] = float(found.group(1)) if found else None
+            run["answer"] = done.stdout.strip().split("\n")[0]
+            runs[name] = run
+    return {"command": "meshserve " + " ".join(STARTUP_COMMAND) + " --model " + model_path,
+            **runs}
 
 
 def _host_memory_bytes() -> int:
@@ -452,6 +494,7 @@ def environment() -> dict[str, Any]:
         "machine": platform.machine(), "processor": platform.processor() or platform.machine(),
         "cpu_count": _cpu_count(), "python": platform.python_version(),
         "jax": jax.__version__, "devices": [str(d) for d in jax.devices()],
+        "device_kind": jax.devices()[0].device_kind,
         "git_commit": _git_commit(),
     }
 

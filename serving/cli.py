@@ -29,6 +29,10 @@ Batch input lines are JSON objects with one of `prompt` (text), `prompt_token_id
 
 from __future__ import annotations
 
+import time
+
+STARTED = time.perf_counter()  # before the heavy imports: startup timings count from here
+
 import argparse
 import dataclasses
 import json
@@ -36,7 +40,6 @@ import signal
 import sys
 import tempfile
 import threading
-import time
 import typing
 from importlib import resources
 from pathlib import Path
@@ -49,7 +52,7 @@ from meshserve.batching.sampling import SamplingParams
 from meshserve.batching.scheduler import ORDERINGS
 from meshserve.model.checkpoint import check_destination, save_checkpoint
 from meshserve.model.config import weight_bytes
-from meshserve.model.hub import DEFAULT_MODEL
+from meshserve.model.hub import DEFAULT_MODEL, resolve_model
 from meshserve.model.pretrained import load_pretrained
 from meshserve.serving import latency, multihost, roofline
 from meshserve.serving.client import Client, ClientError, StreamChunk
@@ -115,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     roof.add_argument("--batch", type=int, action="append",
                       help="decode batch size; repeat for several (default: 1)")
     roof.add_argument("--context", type=int, default=128, help="tokens already in context")
+    roof.add_argument("--output", type=Path, default=None,
+                      help="also write the measurements as JSON (with the machine and command)")
     _bench_args(commands.add_parser("bench", help="continuous vs static batching, side by side"))
     serve = commands.add_parser("serve", help="the gRPC server (meshserve.v1.Generation)")
     add_dataclass_args(serve, ServerConfig)
@@ -200,6 +205,9 @@ def _bench_args(bench: argparse.ArgumentParser) -> None:
                        help="online runs per policy for --find-max-rate")
     bench.add_argument("--roofline", action=argparse.BooleanOptionalAction, default=True,
                        help="measure the machine and decode steps against the floor first")
+    bench.add_argument("--startup", action="store_true",
+                       help="time `meshserve generate --prompt hi --max-tokens 4` (default engine) "
+                            "in fresh processes, with an empty and a filled compilation cache")
     bench.add_argument("--roofline-batch", type=int, action="append", default=None,
                        help="decode batch for the roofline; repeat (default: 1, 8, 32, 64; "
                             "--quick: 1, 8)")
@@ -357,6 +365,14 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
         requests = [dataclasses.replace(r, stop_at_eos=True) for r in requests]
     progress = args.progress and sys.stderr.isatty()
     payload: dict[str, Any] = {}
+    if args.startup:  # before this process compiles anything, so the runs have the cores
+        payload["startup"] = startup = bench.measure_startup(str(resolve_model(args.model).path),
+                                                             dtype=args.dtype)
+        for name in ("empty_cache", "warm_cache"):
+            run = startup[name]
+            print(f"startup, {name.replace('_', ' ')}: answer after {run['wall_s']:.1f} s "
+                  f"(load {run['load_s']} s, {run['programs']:.0f} programs in "
+                  f"{run['compile_s']} s, first token {run['first_token_s']} s)")
     if args.roofline:
         batches = args.roofline_batch or ((1, 8) if args.quick else bench.ROOFLINE_BATCHES)
         payload["roofline"] = bench.run_roofline(llm.engine.model, llm.engine.config,
@@ -516,8 +532,11 @@ def _load(args: argparse.Namespace, *, needs_tokenizer: bool, warmup: bool = Tru
           cluster: multihost.ClusterConfig | None = None) -> LLM:
     """The model and engine; bad options and a missing tokenizer fail before the warm-up."""
     config = dataclass_from_args(EngineConfig, args)
+    started = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, cluster=cluster,
               **(dataclasses.asdict(config) | {"warmup": False}))
+    print(f"meshserve: loaded {llm.model_config.name} in {time.perf_counter() - started:.1f} s",
+          file=sys.stderr, flush=True)
     if needs_tokenizer and llm.tokenizer is None:
         raise ValueError(f"model {args.model!r} has no tokenizer; pass a GGUF file or an HF "
                          "directory with tokenizer.json")
@@ -540,8 +559,13 @@ def run_generate(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     num_tokens = 0
     stream_one = len(args.prompt) == 1
+    first_token = None
     while engine.has_unfinished():
         for out in engine.step():
+            if first_token is None and out.outputs[0].token_ids:
+                first_token = time.perf_counter() - STARTED
+                print(f"meshserve: first token after {first_token:.1f} s", file=sys.stderr,
+                      flush=True)
             text = out.outputs[0].text
             if stream_one:
                 print(text[shown[out.request_id]:], end="", flush=True)
@@ -720,10 +744,21 @@ def run_roofline(args: argparse.Namespace) -> None:
           f"{machine.update_bandwidth / 1e9:.1f}), matmul {machine.matmul_rate / 1e9:.1f} "
           f"GFLOP/s, weights {weight_bytes(config) / 1e6:.0f} MB")
     print(f"{'batch':>5} {'step ms':>9} {'floor ms':>9} {'floor/step':>10}")
+    rows = []
     for batch in batches:
         step = roofline.measure_decode_step(runner, batch=batch, context=args.context)
         floor = roofline.decode_floor(config, machine, batch=batch, context=args.context)
         print(f"{batch:>5} {step * 1e3:>9.2f} {floor * 1e3:>9.2f} {floor / step:>10.2f}")
+        rows.append({"batch": batch, "step_s": step, "floor_s": floor,
+                     "floor_over_step": floor / step})
+    if args.output:
+        from meshserve.serving import bench
+
+        bench.write_results(args.output, {
+            "command": "meshserve " + " ".join(sys.argv[1:]), "model": config.name,
+            "dtype": config.dtype, "context": args.context,
+            "machine": dataclasses.asdict(machine), "environment": bench.environment(),
+            "decode": rows})
 
 
 def main(argv: Sequence[str] | None = None) -> int:

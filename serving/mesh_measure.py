@@ -31,7 +31,6 @@ from typing import Any, Iterator, Sequence
 import jax
 import numpy as np
 
-from meshserve.batching.buckets import pick_bucket
 from meshserve.batching.sampling import SamplingParams
 from meshserve.serving.engine import Engine, EngineConfig
 from meshserve.serving.roofline import median_seconds
@@ -83,23 +82,10 @@ def _describe(engine: Engine, args: tuple) -> Call:
                 sum(b.num_tokens for b in sub_batches), None)
 
 
-def warm_up(engine: Engine, prompt_lens: Sequence[int], total_lens: Sequence[int], *,
-            concurrency: int) -> None:
-    """Compiles every program a workload of these prompt and total (prompt + output) lengths
-    can reach at `concurrency` requests in flight, so that measuring it compiles nothing: a
-    pipeline's one call; otherwise each bucket up to `concurrency` rows (on one replica: the
-    scheduler may place them all there), the longest prompt piece and the longest request's
-    pages. Fewer programs than `Engine.warmup`, which compiles every bucket."""
-    if engine.is_pipelined:
-        engine.warmup(progress=False)
-        return
-    runner, c = engine.runner, engine.runner.config
-    rows = pick_bucket(min(concurrency, c.max_rows), c.row_buckets)
-    tokens = pick_bucket(min(max(prompt_lens), c.max_tokens), c.token_buckets)
-    pages = pick_bucket(-(-max(total_lens) // c.page_size), c.page_buckets)
-    shapes = runner.warmup_shapes(max_batched_tokens=engine.config.max_num_batched_tokens)
-    runner.warmup([(r, t, p) for r, t, p in shapes if r <= rows and t <= tokens and p <= pages],
-                  progress=False)
+def warm_up(engine: Engine) -> None:
+    """Compiles every program the engine can run (a bounded set: one per token bucket, or a
+    pipeline's one call), so that measuring it compiles nothing."""
+    engine.warmup(progress=False)
 
 
 def step_times(engine: Engine, prompts: Sequence[Sequence[int]], *,
@@ -157,8 +143,7 @@ def decode_program(engine: Engine, call: Call) -> dict[str, Any]:
     if engine.is_pipelined:
         compiled = [compile_pipeline_call(runner)]
     else:
-        shapes = dict.fromkeys(runner.padded_shape(b) for b in call.args[0])
-        compiled = [compile_step(runner, shape) for shape in shapes]
+        compiled = [compile_step(runner, runner.step_key(call.args[0]))]
     hlos = [Hlo.parse(c.as_text()) for c in compiled]
     ticks, devices = call.num_ticks or 1, _num_devices(engine)
     written = add_tallies(*(static_collectives(h, devices) for h in hlos))

@@ -214,11 +214,7 @@ def measure_mesh(pretrained: Pretrained, mesh: MeshConfig, config: EngineConfig,
     try:
         batch = min(concurrency, config.max_num_seqs * mesh.data)
         prompts = _step_prompts(requests, batch, config)
-        mesh_measure.warm_up(
-            engine, [len(r.prompt_token_ids) for r in requests] + [len(p) for p in prompts],
-            [len(r.prompt_token_ids) + r.num_output_tokens for r in requests]
-            + [len(p) + mesh_measure.decode_tokens(config) for p in prompts],
-            concurrency=concurrency)
+        mesh_measure.warm_up(engine)
         steps = mesh_measure.step_times(engine, prompts, repeats=repeats)
         program = mesh_measure.decode_program(engine, steps.pop("decode_call"))
         serving = bench.run_online(engine, requests, concurrency=concurrency, seed=seed)

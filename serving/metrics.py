@@ -26,6 +26,9 @@ Gauges, as of the last `observe_step`:
     meshserve:prefill_padding_ratio         padded prefill token slots / all prefill token slots
                                             computed, over the engine's life
     meshserve:decode_padding_ratio          the same for decode rows
+    meshserve:warmup_programs               programs compiled (or loaded from the compilation
+                                            cache) at warm-up: the bounded compiled set
+    meshserve:warmup_seconds                wall time of that warm-up
     meshserve:stage_utilisation             busy pipeline stage-slots / all stage-slots, over the
                                             engine's life, from the schedules it ran
                                             (`EngineStats.stage_utilisation`); 1.0 on a mesh of
@@ -136,6 +139,8 @@ class ServerMetrics:
             "decode_padding_ratio", "Padded share of the decode rows computed.")
         self.stage_utilisation = gauge(
             "stage_utilisation", "Busy pipeline stage-slots / all stage-slots.")
+        self.warmup_programs = gauge("warmup_programs", "Programs compiled at warm-up.")
+        self.warmup_seconds = gauge("warmup_seconds", "Wall time of the warm-up.")
 
         self.num_preemptions = counter("num_preemptions", "Requests preempted for KV pages.")
         self.prefix_cache_hits = counter("prefix_cache_hits",
@@ -184,6 +189,8 @@ class ServerMetrics:
                                                   self._broadcast_seconds, channel.seconds)
         self.num_requests_running.set(scheduler.num_running)
         self.num_requests_waiting.set(scheduler.num_waiting)
+        self.warmup_programs.set(stats.warmup_compiles)
+        self.warmup_seconds.set(stats.warmup_seconds)
         usage = scheduler.kv_usage()
         self.kv_cache_usage.set(usage.num_used_pages / usage.num_total_pages)
         self.kv_cache_cached_pages.set(usage.num_cached_pages)

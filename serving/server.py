@@ -484,9 +484,13 @@ class GenerationServer:
         return ids, text
 
     def server_info(self) -> pb.ServerInfo:
-        return pb.ServerInfo(model=self.engine.model_config.name, mesh=self.engine.config.mesh,
-                             max_model_len=self.engine.config.max_model_len, load=self._load,
-                             version=_version(), vocab_size=self.engine.model_config.vocab_size)
+        engine = self.engine
+        return pb.ServerInfo(model=engine.model_config.name, mesh=engine.config.mesh,
+                             max_model_len=engine.config.max_model_len, load=self._load,
+                             version=_version(), vocab_size=engine.model_config.vocab_size,
+                             warmup_programs=engine.stats.warmup_compiles,
+                             warmup_seconds=engine.stats.warmup_seconds,
+                             attention=engine.runner.attention)
 
     def _set_health(self, status) -> None:
         for service in ("", SERVICE_NAME):

@@ -167,17 +167,23 @@ class Load(_message.Message):
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("model", "mesh", "max_model_len", "load", "version", "vocab_size")
+    __slots__ = ("model", "mesh", "max_model_len", "load", "version", "vocab_size", "warmup_programs", "warmup_seconds", "attention")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MESH_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_PROGRAMS_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
     model: str
     mesh: str
     max_model_len: int
     load: Load
     version: str
     vocab_size: int
-    def __init__(self, model: _Optional[str] = ..., mesh: _Optional[str] = ..., max_model_len: _Optional[int] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., version: _Optional[str] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    warmup_programs: int
+    warmup_seconds: float
+    attention: str
+    def __init__(self, model: _Optional[str] = ..., mesh: _Optional[str] = ..., max_model_len: _Optional[int] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., version: _Optional[str] = ..., vocab_size: _Optional[int] = ..., warmup_programs: _Optional[int] = ..., warmup_seconds: _Optional[float] = ..., attention: _Optional[str] = ...) -> None: ...

@@ -243,12 +243,13 @@ def _varied_requests(rng, count: int):
 
 
 def test_serving_after_warmup_compiles_nothing(engine):
-    shapes = engine.runner.warmup_shapes(max_batched_tokens=engine.config.max_num_batched_tokens)
-    assert engine.stats.warmup_compiles == len(shapes) > 0
+    keys = engine.runner.config.step_keys()  # one program per token bucket, and prompt logprobs
+    assert engine.stats.warmup_compiles == len(keys) > 0
     rng = np.random.default_rng(3)
     with CompileCounter() as compiles:
         _run(engine, [(_prompt(100, seed=1), _greedy(3))])
         _run(engine, [(_prompt(1, seed=2), _greedy(20))])
+        _run(engine, [(_prompt(9, seed=4), _greedy(2, prompt_logprobs=3))])
         for wave in range(3):  # requests join while others are mid-prompt or decoding
             for prompt, params in _varied_requests(rng, 6):
                 engine.add_request(prompt, params)
@@ -551,3 +552,17 @@ def test_stop_string_completed_by_the_last_allowed_token_reports_stop(smol_engin
     completion = out.outputs[0]
     assert completion.text == reference.outputs[0].text[:reference.outputs[0].text.find(stop)]
     assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
+
+
+@pytest.mark.parametrize("overrides", [
+    {},  # the default config
+    dict(max_num_seqs=8, prefill_chunk=128, max_num_batched_tokens=256, max_model_len=512),  # demo
+])
+def test_the_compiled_set_is_at_most_16_programs(overrides):
+    """The step's programs depend on the token budget alone: never on prompt lengths, contexts,
+    page counts or batch sizes, so the whole set is small and known before the first request."""
+    smollm2 = ModelConfig.preset("smollm2-135m")
+    runner_config = EngineConfig(**overrides).for_model(smollm2).runner_config()
+    keys = runner_config.step_keys()
+    assert len(keys) <= 16
+    assert max(tokens for tokens, _ in keys) == runner_config.max_num_batched_tokens

@@ -109,7 +109,7 @@ def test_data_parallel_engine_serves_a_mixed_workload_under_pressure(tiny_model,
     gets exactly its single-device tokens (preemption changes no token), both replicas serve,
     and each replica's page invariant holds after every step (checked in `_run`)."""
     requests = _tiny_requests() * 2
-    small = ENGINE | dict(num_pages=12)
+    small = ENGINE | dict(num_pages=9)  # 8 usable pages a replica; the longest request needs 5
     want = tiny_want * 2
     engine = Engine(tiny_model, None, EngineConfig(mesh="data=2", **small))
     placed = set()

@@ -19,9 +19,10 @@ from meshserve.sharding.programs import step_arguments
 from meshserve.sharding.rules import DEFAULT_RULES, ShardingRules
 from tests.conftest import random_params
 
-ROWS, PAGES = 4, 4  # the decode bucket compiled below: 4 rows per replica, 4 pages per row
-RUNNER_CONFIG = RunnerConfig(num_pages=16, page_size=8, max_rows=ROWS, max_tokens=16,
-                             max_pages_per_seq=PAGES, max_logprobs=4)
+ROWS, PAGES = 4, 4  # the steps compiled below: 4 sequences per replica, 4 pages per sequence
+RUNNER_CONFIG = RunnerConfig(num_pages=16, page_size=8, max_rows=ROWS,
+                             max_num_batched_tokens=ROWS * 16, max_pages_per_seq=PAGES,
+                             max_logprobs=4)
 RULES = {"default": DEFAULT_RULES, "ffw-replicated": ShardingRules({**DEFAULT_RULES.table,
                                                                      "ffw": None})}
 
@@ -29,15 +30,16 @@ RULES = {"default": DEFAULT_RULES, "ffw-replicated": ShardingRules({**DEFAULT_RU
 @dataclasses.dataclass(frozen=True)
 class CompiledStep:
     runner: ModelRunner
-    args: tuple  # (params, cache, (batch,), (sampling,))
+    args: tuple  # (params, cache, batch, sampling)
     compiled: object  # jax.stages.Compiled
     hlo: Hlo
 
 
 def tensor_parallel_step(preset: str, mesh: str, tokens: int = 1, *, rules: str = "default",
                          overrides: tuple = ()) -> CompiledStep:
-    """The runner of a random-weight `preset` on `mesh`, and its step compiled for
-    (ROWS, tokens, PAGES). Cached: several test modules read the same programs."""
+    """The runner of a random-weight `preset` on `mesh`, and its step compiled for ROWS
+    sequences of `tokens` tokens each (ROWS * tokens token slots per replica). Cached: several
+    test modules read the same programs."""
     return _tensor_parallel_step(preset, mesh, tokens, rules, overrides)
 
 
@@ -48,6 +50,6 @@ def _tensor_parallel_step(preset: str, mesh: str, tokens: int, rules: str,
     prepared = prepare(model_from_params(config, random_params(config)), mesh,
                        rules=RULES[rules])
     runner = ModelRunner(prepared.model, RUNNER_CONFIG, prepared.layout)
-    args = step_arguments(runner, ROWS, tokens, PAGES)
+    args = step_arguments(runner, (ROWS * tokens, 0))
     compiled = runner._step.lower(*args).compile()
     return CompiledStep(runner, args, compiled, Hlo.parse(compiled.as_text()))

@@ -111,8 +111,8 @@ def test_weight_and_kv_bytes_are_xlas_argument_bytes(preset, mesh, tokens):
 def test_all_reduces_per_layer_equal_the_hlos(preset, mesh, tokens):
     step = tensor_parallel_step(preset, mesh, tokens)
     config, shape = ModelConfig.preset(preset), shape_of(mesh)
-    rows = step.args[2][0].tokens.shape[0] // shape.data  # per replica
-    residual = (("f32", (rows * tokens, config.hidden_size)),)
+    slots = step.args[2].tokens.shape[0] // shape.data  # per replica
+    residual = (("f32", (slots, config.hidden_size)),)
     hlo = step.hlo
     # The layers run in one scan: a while loop over the layers, whose body is one layer.
     loop = hlo.loop_carrying(step.runner.cache.k.addressable_shards[0].data.shape)
