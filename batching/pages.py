@@ -127,6 +127,11 @@ class PageAllocator:
         """The cached pages of the longest prefix of `keys`; nothing is held or touched."""
         return self._cache.lookup(keys)
 
+    def forget_prefixes(self) -> None:
+        """Drops the whole prefix cache, when the pages' contents can no longer be trusted (an
+        engine sharing the device cache wrote them). Cached pages become free."""
+        self._free.extend(self._cache.clear())
+
     def num_cached_among(self, pages: Iterable[int]) -> int:
         """How many of `pages` are cached (holding them takes them out of the available ones)."""
         return sum(self._cache.is_evictable(page) for page in pages)

@@ -82,6 +82,14 @@ class PrefixCache:
         del self._page_of[self._key_of.pop(page)]
         return page
 
+    def clear(self) -> list[int]:
+        """Forgets every key; returns the pages that were evictable (now holding nothing)."""
+        pages = list(self._evictable)
+        self._page_of.clear()
+        self._key_of.clear()
+        self._evictable.clear()
+        return pages
+
     def check(self) -> None:
         assert len(self._page_of) == len(self._key_of)
         assert all(self._page_of[key] == page for page, key in self._key_of.items())

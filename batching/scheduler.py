@@ -420,6 +420,11 @@ class Scheduler:
         """Cancels a waiting or running request; its pages are free when this returns."""
         return self.finish(request_id, RequestStatus.FINISHED_ABORTED)
 
+    def forget_prefixes(self) -> None:
+        """Drops every replica's prefix cache (see `PageAllocator.forget_prefixes`)."""
+        for allocator in self.allocators:
+            allocator.forget_prefixes()
+
     def kv_usage(self, replica: int | None = None) -> KVUsage:
         """Occupancy of one replica's pages, or of all replicas together (None).
 

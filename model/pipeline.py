@@ -91,6 +91,8 @@ class PipelineRunner:
         self._call = _compile(self.graphdef, layout, jax.tree.map(lambda a: a.sharding,
                                                                   self.params),
                               num_stages=self.num_stages, num_top=config.max_logprobs)
+        self.last_user: object | None = None  # whoever ran the last step (engines sharing the
+        # runner take turns with its KV cache)
         self.channel: PlanChannel | None = None  # a multi-process run sets it on every process
         # (only process 0 sends; see meshserve.serving.multihost)
 

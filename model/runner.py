@@ -209,6 +209,8 @@ class ModelRunner:
             replica_axes=() if layout is None else layout.replica_axes)
         self._step = compile_step(step, layout)
         self.attention = config.backend()
+        self.last_user: object | None = None  # whoever ran the last step (engines sharing the
+        # runner take turns with its KV cache)
         self.channel: PlanChannel | None = None  # a multi-process run sets it on every process
         # (only process 0 sends; see meshserve.serving.multihost)
 

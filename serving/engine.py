@@ -259,6 +259,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Runs one step (one pipeline call, of up to `pipeline_rounds` steps, when the mesh has
         stages); returns an output for every request that advanced or finished."""
+        self._claim_runner()
         if self.is_pipelined:
             return self._pipeline_step()
         plan = self.scheduler.schedule()
@@ -270,6 +271,18 @@ class Engine:
         self.stats.record_step(plan, self.runner, time.perf_counter() - started, compiles.count)
         self.stats.device_wait_seconds += self.runner.last_wait_seconds
         return self._update(plan, results)
+
+    def _claim_runner(self) -> None:
+        """Engines that share a runner share its KV cache, one engine at a time: when another
+        engine has run since this one did, the pages this one's prefix cache points at hold the
+        other's tokens, so that cache is dropped."""
+        last = self.runner.last_user
+        if last is not None and last is not self:
+            if self.scheduler.num_running:
+                raise RuntimeError("another engine ran on this engine's shared runner while it "
+                                   "had requests running: their KV pages were overwritten")
+            self.scheduler.forget_prefixes()
+        self.runner.last_user = self
 
     def abort(self, request_id: str) -> bool:
         """Frees the request's pages at once. False if it is unknown or already finished."""

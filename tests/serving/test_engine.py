@@ -566,3 +566,26 @@ def test_the_compiled_set_is_at_most_16_programs(overrides):
     keys = runner_config.step_keys()
     assert len(keys) <= 16
     assert max(tokens for tokens, _ in keys) == runner_config.max_num_batched_tokens
+
+
+def test_engines_sharing_a_runner_take_turns_with_its_cache(tiny_model, engine):
+    """Another engine on the same runner writes the same pages, so an engine that runs after it
+    drops its prefix cache instead of reading the other's tokens as its own prefix."""
+    first = Engine(tiny_model, None, EngineConfig(**(TINY | dict(warmup=False))),
+                   runner=engine.runner)
+    other = Engine(tiny_model, None, EngineConfig(**(TINY | dict(warmup=False))),
+                   runner=engine.runner)
+    prompt = _prompt(40, seed=21)  # two full pages can be cached
+    (want,) = _run(first, [(prompt, _greedy(6))])
+    (hit,) = _run(first, [(prompt, _greedy(6))])
+    assert hit.num_cached_tokens == 32 and _tokens([hit]) == _tokens([want])
+    _run(other, [(_prompt(40, seed=22), _greedy(6))])  # the same page ids, other tokens
+    (again,) = _run(first, [(prompt, _greedy(6))])
+    assert again.num_cached_tokens == 0
+    assert _tokens([again]) == _tokens([want])
+    other.add_request(_prompt(5, seed=23), _greedy(4))
+    other.step()  # its request is running, with its KV in the shared cache...
+    first.add_request(_prompt(5, seed=24), _greedy(4))
+    first.step()  # ... which the first engine now writes
+    with pytest.raises(RuntimeError, match="overwritten"):
+        other.step()
