@@ -308,13 +308,16 @@ def ragged_attention_jnp(q: jax.Array, k: jax.Array, v: jax.Array, cache_k: jax.
     state = (m, jnp.sum(p, axis=-1), _einsum_f32("tkgu,ukh->tkgh", p.astype(v.dtype), v))
     page_size = cache_k.shape[3]
     block_tokens = block_pages * page_size
+    # This layer's pages, sliced once: the loop then reads a small operand instead of carrying
+    # the whole cache, which XLA would copy for it (the outer layer loop updates the cache).
+    layer_k, layer_v = cache_k[layer], cache_v[layer]  # [K, P, S, h]
 
     def context_block(j, state):
         m, l, acc = state
         pages = jax.lax.dynamic_slice_in_dim(meta.token_pages, j * block_pages, block_pages,
                                              axis=1)  # [T, bp]
-        kb = _gather_token_pages(cache_k, layer, pages)  # [T, K, bp * S, h]
-        vb = _gather_token_pages(cache_v, layer, pages)
+        kb = _gather_token_pages(layer_k, pages)  # [T, K, bp * S, h]
+        vb = _gather_token_pages(layer_v, pages)
         scores = _einsum_f32("tkgh,tksh->tkgs", q, kb)  # [T, K, G, bp * S]
         key_pos = j * block_tokens + jnp.arange(block_tokens)
         visible = key_pos[None, :] < meta.cached_lens[:, None]  # [T, bp * S]
@@ -329,11 +332,11 @@ def ragged_attention_jnp(q: jax.Array, k: jax.Array, v: jax.Array, cache_k: jax.
     return (acc / l[..., None]).reshape(tokens, num_heads, head_dim).astype(q.dtype)
 
 
-def _gather_token_pages(cache: jax.Array, layer: jax.Array, pages: jax.Array) -> jax.Array:
-    """cache [L, K, P, S, h] at `layer`, pages [T, bp] -> [T, K, bp * S, h]."""
-    blocks = cache[layer, :, pages]  # one gather: [T, bp, K, S, h]
-    tokens, num_pages, kv_heads, page_size, head_dim = blocks.shape
-    return blocks.transpose(0, 2, 1, 3, 4).reshape(tokens, kv_heads, num_pages * page_size,
+def _gather_token_pages(layer_cache: jax.Array, pages: jax.Array) -> jax.Array:
+    """One layer's cache [K, P, S, h] at pages [T, bp] -> [T, K, bp * S, h]."""
+    blocks = layer_cache[:, pages]  # one gather: [K, T, bp, S, h]
+    kv_heads, tokens, num_pages, page_size, head_dim = blocks.shape
+    return blocks.transpose(1, 0, 2, 3, 4).reshape(tokens, kv_heads, num_pages * page_size,
                                                    head_dim)
 
 

@@ -153,12 +153,18 @@ def sample(logits: jax.Array, s: DeviceSampling, *, num_top_logprobs: int = 0,
     """
     raw = jax.nn.log_softmax(logits, axis=-1)  # [B, V]
     top_logprobs, top_ids = jax.lax.top_k(raw, num_top_logprobs)  # [B, K]
-    adjusted = mask_banned(apply_penalties(logits, s), s)  # [B, V]
+    # Steps where no row has a penalty, or no row is under min_tokens, skip that pass over the
+    # vocabulary (its scatters into [B, V] counts cost as much as the lm_head at batch 32).
+    has_penalty = jnp.any((s.repetition_penalty != 1) | (s.presence_penalty != 0)
+                          | (s.frequency_penalty != 0))
+    adjusted = jax.lax.cond(_on_every_replica(has_penalty, replica_axes, any_of=True),
+                            lambda: apply_penalties(logits, s), lambda: logits)
+    adjusted = jax.lax.cond(
+        _on_every_replica(jnp.any(s.steps < s.min_tokens), replica_axes, any_of=True),
+        lambda: mask_banned(adjusted, s), lambda: adjusted)  # [B, V]
     greedy = jnp.argmax(adjusted, axis=-1)  # [B]
     # An all-greedy batch skips the sort over the vocabulary that the filters need.
-    all_greedy = jnp.all(s.temperature <= 0)
-    if replica_axes:
-        all_greedy = jax.lax.pmin(all_greedy.astype(jnp.int32), replica_axes) > 0
+    all_greedy = _on_every_replica(jnp.all(s.temperature <= 0), replica_axes, any_of=False)
     drawn = jax.lax.cond(
         all_greedy, lambda: greedy,
         lambda: draw(apply_filters(scale(adjusted, s.temperature), s), s.seeds, s.steps))  # [B]
@@ -166,6 +172,17 @@ def sample(logits: jax.Array, s: DeviceSampling, *, num_top_logprobs: int = 0,
     chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]  # [B]
     return Sampled(tokens=tokens, logprobs=chosen, top_ids=top_ids.astype(jnp.int32),
                    top_logprobs=top_logprobs)
+
+
+def _on_every_replica(flag: jax.Array, replica_axes: tuple[str, ...], *,
+                      any_of: bool) -> jax.Array:
+    """`flag` agreed across the shard_map replicas (any or all of them), so that every replica
+    takes the same branch of a `lax.cond`: collectives inside diverging branches would wait on
+    each other forever."""
+    if not replica_axes:
+        return flag
+    reduce = jax.lax.pmax if any_of else jax.lax.pmin
+    return reduce(flag.astype(jnp.int32), replica_axes) > 0
 
 
 def token_counts(ids: jax.Array, weights: jax.Array, vocab_size: int) -> jax.Array:
