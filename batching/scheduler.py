@@ -135,6 +135,11 @@ class SchedulerConfig:
     first, with aging; see "Predicted ordering" in the module docstring). `reserve_quantile` is
     the quantile of each request's predicted output length that "predicted" keeps pages for, and
     `aging_tokens_per_step` how fast a waiting request's predicted cost shrinks while it waits.
+
+    `step_buckets`, when given, are the token counts a runner pads a whole step to (the ragged
+    step's buckets): a prefill chunk is then cut so that the step's tokens land on the bucket
+    below, when that is nearer than the bucket above (`fit_step_bucket`). The cut-off tokens run
+    next step, beside decodes that run anyway; padding up would compute more slots than that.
     """
 
     num_pages: int
@@ -153,6 +158,7 @@ class SchedulerConfig:
     ordering: str = "fcfs"
     reserve_quantile: float = 0.9
     aging_tokens_per_step: float = 1.0
+    step_buckets: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.ordering not in ORDERINGS:
@@ -220,6 +226,13 @@ class SchedulerConfig:
             raise ValueError(f"token_buckets must be increasing positive ints ending at >= "
                              f"prefill_chunk ({self.prefill_chunk}), got {self.token_buckets}")
         object.__setattr__(self, "token_buckets", buckets)
+        if self.step_buckets is not None:
+            steps = tuple(self.step_buckets)
+            if not steps or not all(_is_int(b) and b >= 1 for b in steps) or any(
+                    a >= b for a, b in zip(steps, steps[1:])):
+                raise ValueError(f"step_buckets must be increasing positive ints, got "
+                                 f"{self.step_buckets}")
+            object.__setattr__(self, "step_buckets", steps)
 
 
 def _is_int(value) -> bool:
@@ -905,9 +918,25 @@ class ContinuousPolicy:
 
 def prefill_chunk_len(num_uncomputed: int, num_free_tokens: int, config: SchedulerConfig) -> int:
     """The next chunk of a prompt: as much as fits, cut down to a token bucket so that it runs
-    unpadded. Only a piece shorter than the smallest bucket is padded; a decode is 1 token."""
-    chunk = min(num_uncomputed, config.prefill_chunk, num_free_tokens)
-    return floor_bucket(chunk, config.token_buckets)
+    unpadded. Only a piece shorter than the smallest bucket is padded; a decode is 1 token. With
+    `step_buckets`, then cut so that the step ends on a bucket when that is the nearer one."""
+    chunk = floor_bucket(min(num_uncomputed, config.prefill_chunk, num_free_tokens),
+                         config.token_buckets)
+    if config.step_buckets is None:
+        return chunk
+    return fit_step_bucket(config.max_num_batched_tokens - num_free_tokens, chunk,
+                           config.step_buckets)
+
+
+def fit_step_bucket(num_used: int, chunk: int, buckets: Sequence[int]) -> int:
+    """`chunk` cut so that the step's `num_used + chunk` tokens land on the bucket below them,
+    when that bucket is nearer than the one above and still leaves some of the chunk."""
+    total = num_used + chunk
+    below = floor_bucket(total, buckets)
+    above = pick_bucket(total, buckets) if total <= buckets[-1] else total
+    if num_used < below < total and total - below < above - total:
+        return below - num_used
+    return chunk
 
 
 class StaticPolicy:

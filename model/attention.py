@@ -290,13 +290,14 @@ def ragged_meta(batch: RaggedBatch, *, page_size: int, block_pages: int) -> Ragg
 
 def ragged_attention_jnp(q: jax.Array, k: jax.Array, v: jax.Array, cache_k: jax.Array,
                          cache_v: jax.Array, layer: jax.Array, meta: RaggedMeta, *,
-                         block_pages: int) -> jax.Array:
-    """The portable backend: q [T, H, h], this step's k/v [T, K, h] -> [T, H, h].
+                         block_pages: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The portable backend: q [T, H, h], this step's k/v [T, K, h] -> ([T, H, h], caches).
 
     Two parts joined by one online softmax: this step's own keys (dense, causal within each
     sequence, no gather), then the cached context, read `block_pages` pages at a time and only as
     many blocks as the longest cached context needs (a `fori_loop` with a traced trip count), so
-    a step never reads pages nobody asked for.
+    a step never reads pages nobody asked for. The caches ride through the loop and come back:
+    a loop that only closed over them would make XLA copy them for it, every layer.
     """
     tokens, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]
@@ -305,19 +306,17 @@ def ragged_attention_jnp(q: jax.Array, k: jax.Array, v: jax.Array, cache_k: jax.
     scores = jnp.where(meta.step_mask[:, None, None, :], scores, MASK_VALUE)
     m = jnp.max(scores, axis=-1)  # [T, K, G]
     p = jnp.exp(scores - m[..., None])
-    state = (m, jnp.sum(p, axis=-1), _einsum_f32("tkgu,ukh->tkgh", p.astype(v.dtype), v))
+    state = (m, jnp.sum(p, axis=-1), _einsum_f32("tkgu,ukh->tkgh", p.astype(v.dtype), v),
+             cache_k, cache_v)
     page_size = cache_k.shape[3]
     block_tokens = block_pages * page_size
-    # This layer's pages, sliced once: the loop then reads a small operand instead of carrying
-    # the whole cache, which XLA would copy for it (the outer layer loop updates the cache).
-    layer_k, layer_v = cache_k[layer], cache_v[layer]  # [K, P, S, h]
 
     def context_block(j, state):
-        m, l, acc = state
+        m, l, acc, cache_k, cache_v = state
         pages = jax.lax.dynamic_slice_in_dim(meta.token_pages, j * block_pages, block_pages,
                                              axis=1)  # [T, bp]
-        kb = _gather_token_pages(layer_k, pages)  # [T, K, bp * S, h]
-        vb = _gather_token_pages(layer_v, pages)
+        kb = _gather_token_pages(cache_k, layer, pages)  # [T, K, bp * S, h]
+        vb = _gather_token_pages(cache_v, layer, pages)
         scores = _einsum_f32("tkgh,tksh->tkgs", q, kb)  # [T, K, G, bp * S]
         key_pos = j * block_tokens + jnp.arange(block_tokens)
         visible = key_pos[None, :] < meta.cached_lens[:, None]  # [T, bp * S]
@@ -326,23 +325,26 @@ def ragged_attention_jnp(q: jax.Array, k: jax.Array, v: jax.Array, cache_k: jax.
         p = jnp.exp(scores - m_new[..., None])
         rescale = jnp.exp(m - m_new)
         acc = acc * rescale[..., None] + _einsum_f32("tkgs,tksh->tkgh", p.astype(vb.dtype), vb)
-        return m_new, l * rescale + jnp.sum(p, axis=-1), acc
+        return m_new, l * rescale + jnp.sum(p, axis=-1), acc, cache_k, cache_v
 
-    _, l, acc = jax.lax.fori_loop(0, meta.num_context_blocks, context_block, state)
-    return (acc / l[..., None]).reshape(tokens, num_heads, head_dim).astype(q.dtype)
+    _, l, acc, cache_k, cache_v = jax.lax.fori_loop(0, meta.num_context_blocks, context_block,
+                                                    state)
+    out = (acc / l[..., None]).reshape(tokens, num_heads, head_dim).astype(q.dtype)
+    return out, cache_k, cache_v
 
 
-def _gather_token_pages(layer_cache: jax.Array, pages: jax.Array) -> jax.Array:
-    """One layer's cache [K, P, S, h] at pages [T, bp] -> [T, K, bp * S, h]."""
-    blocks = layer_cache[:, pages]  # one gather: [K, T, bp, S, h]
-    kv_heads, tokens, num_pages, page_size, head_dim = blocks.shape
-    return blocks.transpose(1, 0, 2, 3, 4).reshape(tokens, kv_heads, num_pages * page_size,
+def _gather_token_pages(cache: jax.Array, layer: jax.Array, pages: jax.Array) -> jax.Array:
+    """cache [L, K, P, S, h] at `layer`, pages [T, bp] -> [T, K, bp * S, h]."""
+    blocks = cache[layer, :, pages]  # one gather: [T, bp, K, S, h]
+    tokens, num_pages, kv_heads, page_size, head_dim = blocks.shape
+    return blocks.transpose(0, 2, 1, 3, 4).reshape(tokens, kv_heads, num_pages * page_size,
                                                    head_dim)
 
 
 def ragged_attention_pallas_gpu(q: jax.Array, k: jax.Array, v: jax.Array, cache_k: jax.Array,
                                 cache_v: jax.Array, layer: jax.Array, meta: RaggedMeta, *,
-                                block_pages: int, interpret: bool = False) -> jax.Array:
+                                block_pages: int, interpret: bool = False
+                                ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The NVIDIA GPU backend: JAX's Pallas (Triton) paged-attention kernel, one query per token.
 
     The kernel serves one query per row, so each token is a row with its own sequence's page
@@ -360,7 +362,7 @@ def ragged_attention_pallas_gpu(q: jax.Array, k: jax.Array, v: jax.Array, cache_
         q * head_dim ** -0.5, cache_k[layer], cache_v[layer], meta.token_pages,
         meta.positions + 1, k_splits=k_splits,
         pages_per_compute_block=min(8, num_pages // k_splits), interpret=interpret)
-    return out.astype(q.dtype)
+    return out.astype(q.dtype), cache_k, cache_v
 
 
 ATTENTION_BACKENDS = {"jnp": ragged_attention_jnp, "pallas-gpu": ragged_attention_pallas_gpu}
@@ -387,8 +389,8 @@ class RaggedContext:
                layer: jax.Array) -> tuple[jax.Array, "RaggedContext"]:
         """q [T, H, h], k/v [T, K, h] -> [T, H, h]. Writes before it reads."""
         cache_k, cache_v = write_kv(self.k, self.v, layer, k, v, self.meta.write_slots)
-        out = ATTENTION_BACKENDS[self.backend](q, k, v, cache_k, cache_v, layer, self.meta,
-                                               block_pages=self.block_pages)
+        out, cache_k, cache_v = ATTENTION_BACKENDS[self.backend](
+            q, k, v, cache_k, cache_v, layer, self.meta, block_pages=self.block_pages)
         return out, dataclasses.replace(self, k=cache_k, v=cache_v)
 
 

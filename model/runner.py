@@ -208,6 +208,7 @@ class ModelRunner:
             constrain=None if layout is None else layout.constrain,
             replica_axes=() if layout is None else layout.replica_axes)
         self._step = compile_step(step, layout)
+        self._programs: dict[tuple[int, ...], jax.stages.Compiled] = {}
         self.attention = config.backend()
         self.last_user: object | None = None  # whoever ran the last step (engines sharing the
         # runner take turns with its KV cache)
@@ -257,11 +258,9 @@ class ModelRunner:
         if any(s.banned_ids is not None and s.banned_ids.shape[1] > self.config.max_stop_ids
                for s in sampling):
             raise ValueError(f"more stop token ids than max_stop_ids={self.config.max_stop_ids}")
-        rows = self.config.num_seqs(key[0]) * self.num_replicas
         index = np.concatenate(seq_index) if seq_index else np.zeros(0, np.int64)
         merged = concat_sampling(sampling) if sampling else greedy_sampling(0)
-        host = host_sampling(merged, rows=rows, history_width=self.config.history_width,
-                             banned_width=self.config.max_stop_ids, index=index)
+        host = self._padded_sampling(merged, key[0], index)
         return HostCall(key=key, arrays=(batch, host), seq_index=seq_index,
                         token_index=token_index)
 
@@ -269,11 +268,15 @@ class ModelRunner:
         """Zero host arrays shaped like those of any call with bucket `key` (see `host_call`)."""
         tokens, has_targets = key
         batch, _, _ = self._flatten((), tokens, has_targets)
-        rows = self.config.num_seqs(tokens) * self.num_replicas
-        host = host_sampling(greedy_sampling(0), rows=rows,
+        return batch, self._padded_sampling(greedy_sampling(0), tokens, np.zeros(0, np.int64))
+
+    def _padded_sampling(self, merged: SamplingArrays, tokens: int,
+                         index: np.ndarray) -> DeviceSampling:
+        """`merged`'s rows at sequence slots `index` of a step of `tokens` slots per replica,
+        every width fixed; the other slots greedy and neutral."""
+        return host_sampling(merged, rows=self.config.num_seqs(tokens) * self.num_replicas,
                              history_width=self.config.history_width,
-                             banned_width=self.config.max_stop_ids, index=np.zeros(0, np.int64))
-        return batch, host
+                             banned_width=self.config.max_stop_ids, index=index)
 
     def run_calls(self, keys: Sequence[tuple[int, ...]],
                   arrays: Sequence[tuple[RaggedBatch, DeviceSampling]]) -> list:
@@ -286,20 +289,29 @@ class ModelRunner:
             self.channel.publish_run(keys, arrays)
         sharding = None if self.layout is None else self.layout.rows
         outs = []
-        for batch, sampling in arrays:
+        for key, (batch, sampling) in zip(keys, arrays):
             batch, sampling = to_devices((batch, sampling), sharding)
-            out, self.cache = self._step(self.params, self.cache, batch, sampling)
+            out, self.cache = self.program(key)(self.params, self.cache, batch, sampling)
             outs.append(out)
         return outs
 
+    def program(self, key: tuple[int, ...]) -> jax.stages.Compiled:
+        """The compiled step of `key`, compiled (or loaded from the persistent compilation
+        cache) on first use. Steps call it directly, so the compiled set is exactly these."""
+        key = tuple(key)
+        if key not in self._programs:
+            sharding = None if self.layout is None else self.layout.rows
+            batch, sampling = to_devices(self.template(key), sharding)
+            self._programs[key] = self._step.lower(self.params, self.cache, batch,
+                                                   sampling).compile()
+        return self._programs[key]
+
     def warmup(self, keys: Sequence[tuple[int, int]] | None = None, *,
                progress: bool = True) -> None:
-        """Compiles the step for each key (default: `config.step_keys()`), running padding
-        only."""
+        """Compiles the step for each key (default: `config.step_keys()`); runs nothing."""
         keys = self.config.step_keys() if keys is None else keys
         for key in tqdm(keys, desc="warming up", unit="program", disable=not progress):
-            (out,) = self.run_calls([key], [self.template(key)])
-            jax.block_until_ready(out)
+            self.program(key)
 
     def _flatten(self, sub_batches: Sequence[SubBatchPlan], tokens_per_replica: int,
                  has_targets: int) -> tuple[RaggedBatch, tuple, tuple]:

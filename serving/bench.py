@@ -431,9 +431,8 @@ def measure_startup(model_path: str, *, dtype: str | None = None,
                     timeout: float = 900.0) -> dict[str, Any]:
     """`meshserve generate --prompt hi --max-tokens 4` with the default engine, run twice as a
     fresh process: first with an empty compilation cache, then with the one the first run
-    filled. Each run's phases come from the lines it prints (load, compile, first token, all
-    in seconds since the process started its imports), and `wall_s` is the whole command."""
-    import re
+    filled. Each run's phases come from the lines it prints (`parse_startup`), and `wall_s` is
+    the whole command."""
     import sys
     import tempfile
 
@@ -448,14 +447,19 @@ def measure_startup(model_path: str, *, dtype: str | None = None,
                                   timeout=timeout, check=False)
             if done.returncode != 0:
                 raise RuntimeError(f"startup run failed ({done.returncode}): {done.stderr[-2000:]}")
-            run = {"wall_s": time.perf_counter() - started}
-            for key, pattern in _STARTUP_LINES.items():
-                found = re.search(pattern, done.stderr)
-                run[key] = float(found.group(1)) if found else None
-            run["answer"] = done.stdout.strip().split("\n")[0]
-            runs[name] = run
+            runs[name] = {"wall_s": time.perf_counter() - started, **parse_startup(done.stderr),
+                          "answer": done.stdout.strip().split("\n")[0]}
     return {"command": "meshserve " + " ".join(STARTUP_COMMAND) + " --model " + model_path,
             **runs}
+
+
+def parse_startup(stderr: str) -> dict[str, float | None]:
+    """The load, compile and first-token figures `meshserve generate` prints (seconds; the
+    first token counts from the process's start); None for a line that is missing."""
+    import re
+
+    found = {key: re.search(pattern, stderr) for key, pattern in _STARTUP_LINES.items()}
+    return {key: float(match.group(1)) if match else None for key, match in found.items()}
 
 
 def _host_memory_bytes() -> int:

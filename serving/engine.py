@@ -155,8 +155,10 @@ class EngineConfig:
             num_pages=self.num_pages, page_size=self.page_size, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, prefill_chunk=self.prefill_chunk,
             max_model_len=self.max_model_len, policy=self.policy,
-            # The ragged step runs any chunk length unpadded: chunks are never cut to buckets.
+            # The ragged step pads only the step's total: chunks are cut to land it on a bucket
+            # (step_buckets), never to per-chunk buckets.
             token_buckets=(self.prefill_chunk,), bound_padded_prefill=False,
+            step_buckets=self.runner_config().token_buckets,
             eos_token_ids=tuple(eos_token_ids), num_replicas=num_replicas,
             enable_prefix_caching=self.enable_prefix_caching, kv_watermark=self.kv_watermark,
             ordering=self.ordering)

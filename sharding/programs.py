@@ -26,7 +26,7 @@ def step_arguments(runner: ModelRunner, key: tuple[int, int]) -> tuple:
 
 def compile_step(runner: ModelRunner, key: tuple[int, int]) -> jax.stages.Compiled:
     """The step program of `key` (token slots per replica, has targets)."""
-    return runner._step.lower(*step_arguments(runner, key)).compile()
+    return runner.program(key)
 
 
 def compile_pipeline_call(runner: PipelineRunner) -> jax.stages.Compiled:

@@ -528,3 +528,31 @@ def test_higher_priority_is_admitted_first_and_ties_stay_first_come_first_served
     drive(s, _runner(s), on_step=lambda plan: order.extend(
         rid for ids in plan.row_requests for rid in ids))
     assert order == ["high", "high2", "mid", "low"]
+
+
+def test_fit_step_bucket_cuts_a_chunk_to_the_nearer_bucket():
+    from meshserve.batching.scheduler import fit_step_bucket
+
+    buckets = (1, 2, 4, 8, 16, 32, 64, 128)
+    assert fit_step_bucket(15, 64, buckets) == 49  # 79 tokens: 64 is nearer than 128
+    assert fit_step_bucket(15, 90, buckets) == 90  # 105: 128 is nearer, pad up
+    assert fit_step_bucket(0, 40, buckets) == 32  # 40: 32 is nearer than 64
+    assert fit_step_bucket(30, 4, buckets) == 2  # 34: down to 32, 2 of the 4 run now
+    assert fit_step_bucket(33, 2, buckets) == 2  # 35: 32 would leave none of the chunk
+    assert fit_step_bucket(16, 16, buckets) == 16  # already on a bucket
+
+
+def test_step_buckets_land_steps_on_buckets_and_lose_no_token():
+    """With the ragged step's buckets, most steps' tokens land exactly on a bucket, and every
+    request still gets exactly its reference outputs."""
+    buckets = (1, 2, 4, 8, 16, 32, 64)
+    s = Scheduler(_config(max_num_batched_tokens=64, prefill_chunk=64, step_buckets=buckets))
+    requests = random_requests(np.random.default_rng(5), 24, max_prompt=90, max_output=20)
+    for r in requests:
+        s.add(r)
+    plans = drive(s, _runner(s))
+    totals = [plan.num_tokens for plan in plans]
+    assert sum(t in buckets for t in totals) >= 0.75 * len(totals)
+    _assert_reference_outputs(requests)
+    with pytest.raises(ValueError, match="step_buckets must be increasing"):
+        _config(step_buckets=(8, 4))

@@ -75,8 +75,10 @@ def _run(backend):
     layer = jnp.int32(0)
     cache_k, cache_v = write_kv(cache_k, cache_v, layer, jnp.asarray(k), jnp.asarray(v),
                                 meta.write_slots)
-    got = backend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), cache_k, cache_v, layer, meta,
-                  block_pages=BLOCK_PAGES)
+    got, kept_k, kept_v = backend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), cache_k,
+                                  cache_v, layer, meta, block_pages=BLOCK_PAGES)
+    np.testing.assert_array_equal(kept_k, cache_k)  # the caches come back untouched
+    np.testing.assert_array_equal(kept_v, cache_v)
     num_real = sum(n for _, n in SEQUENCES)
     return np.asarray(got), num_real, _dense_reference(*sequences)
 

@@ -56,3 +56,19 @@ def test_model_without_tokenizer_is_a_clear_error(capsys):
     assert main(["generate", "--model", "tiny-llama", "--prompt", "hi",
                  "--no-compilation-cache"]) == 2
     assert "has no tokenizer" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_generate_reports_its_startup(capsys, smollm2_files):
+    """The lines `meshserve bench --startup` reads: load, the compiled set, the first token."""
+    from meshserve.serving.bench import parse_startup
+
+    code = main(["generate", "--model", str(smollm2_files.path), "--prompt", "hi",
+                 "--max-tokens", "2", "--num-pages", "16", "--max-num-seqs", "1",
+                 "--prefill-chunk", "8", "--max-num-batched-tokens", "8", "--max-model-len", "64",
+                 "--no-compilation-cache"])
+    assert code == 0
+    startup = parse_startup(capsys.readouterr().err)
+    assert startup["programs"] == 5  # token buckets 1, 2, 4, 8 and prompt logprobs at 8
+    assert startup["programs_from_cache"] == 0
+    assert 0 < startup["load_s"] and 0 < startup["compile_s"] < startup["first_token_s"]
