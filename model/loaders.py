@@ -22,6 +22,7 @@ imports neither jax nor flax; the model module places the arrays on devices.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -452,9 +453,22 @@ def load_gguf(path: str | os.PathLike, *, dtype: str = "float32",
     return config, params
 
 
-def open_gguf(path: Path) -> gguf.GGUFReader:
-    """Opens a GGUF file, turning the reader's low-level failures into one clear error."""
+def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
+    """Opens a GGUF file, turning the reader's low-level failures into one clear error.
+
+    The reader of the file last opened is kept while the file is unchanged: parsing the
+    metadata (a 49k-token vocabulary and its merges) takes seconds, and loading a model reads it
+    twice, for the weights and for the tokenizer.
+    """
+    path = Path(path)
     require_file(path)
+    stat = path.stat()
+    return _read_gguf(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1)
+def _read_gguf(path: Path, size: int, mtime_ns: int) -> gguf.GGUFReader:
+    del size, mtime_ns  # part of the cache key only: a rewritten file is read again
     try:
         return gguf.GGUFReader(path)
     except (ValueError, IndexError) as err:

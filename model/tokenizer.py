@@ -29,7 +29,6 @@ from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
 
-import gguf
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
@@ -107,7 +106,9 @@ def gguf_pre_tokenizer(pre_type: str | None) -> pre_tokenizers.PreTokenizer:
 
 def read_gguf_tokenizer_fields(path: str | Path) -> dict[str, Any]:
     """The `tokenizer.*` metadata of a GGUF file, decoded to Python values (tensors untouched)."""
-    reader = gguf.GGUFReader(path)
+    from meshserve.model.loaders import open_gguf
+
+    reader = open_gguf(path)
     return {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
 
 

@@ -116,7 +116,7 @@ def _run_hf(files: ModelFiles, requests: Sequence[PeerRequest], max_batch_size: 
             threads: int | None) -> tuple[float, str, int]:
     torch = _require("torch", "peers-hf")
     transformers = _require("transformers", "peers-hf")
-    model = _load_hf(transformers, files)
+    model = _load_hf(torch, transformers, files)
     previous_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -136,7 +136,7 @@ def _run_hf(files: ModelFiles, requests: Sequence[PeerRequest], max_batch_size: 
     return wall_s, transformers.__version__, used_threads
 
 
-def _load_hf(transformers: ModuleType, files: ModelFiles) -> Any:
+def _load_hf(torch: ModuleType, transformers: ModuleType, files: ModelFiles) -> Any:
     path = files.path
     if files.kind == "gguf":
         source, extra = str(path.parent), {"gguf_file": path.name}
@@ -146,7 +146,11 @@ def _load_hf(transformers: ModuleType, files: ModelFiles) -> Any:
         model = transformers.AutoModelForCausalLM.from_pretrained(source, **extra)
     except LOAD_ERRORS as err:
         raise PeerUnavailable(f"transformers cannot load {path}: {err}") from err
-    return model.float().eval()
+    if model.dtype != torch.float32:
+        # float32 like meshserve on the CPU. A GGUF is dequantized to float32 already, and
+        # transformers 5 refuses `.float()` on such a model.
+        model = model.float()
+    return model.eval()
 
 
 def _hf_generate(torch: ModuleType, model: Any, prompts: list[list[int]], new_tokens: int) -> None:
