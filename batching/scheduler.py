@@ -9,7 +9,9 @@ of `max_num_batched_tokens` new tokens, handed out in three passes:
   1. running requests that are decoding (one uncomputed token) get 1 token each, oldest first;
   2. running requests still mid-prompt get their next chunk:
      min(prefill_chunk, budget left, tokens left), cut down to a token bucket (`floor_bucket`),
-     so a chunk runs unpadded; only a piece shorter than the smallest bucket pads;
+     so a chunk runs unpadded; only a piece shorter than the smallest bucket pads. With
+     `step_buckets` (the engine's ragged step, which passes one token bucket and pads only the
+     step's total) a chunk is instead cut so that the step lands on the nearer step bucket;
   3. waiting requests are admitted in queue order (higher `priority` first, then first come,
      first served), while there is a free seat
      (`max_num_seqs`), budget, and pages for their first chunk with the watermark kept (below).

@@ -148,23 +148,23 @@ def sample(logits: jax.Array, s: DeviceSampling, *, num_top_logprobs: int = 0,
            replica_axes: tuple[str, ...] = ()) -> Sampled:
     """Samples one token per row of `logits` [B, V] (float32); K = `num_top_logprobs` is static.
 
-    Under a shard_map over `replica_axes`, every replica takes the same branch of the all-greedy
-    shortcut: collectives inside diverging branches would wait on each other forever.
+    Under a shard_map over `replica_axes`, every replica takes the same branch of each shortcut
+    (the penalties, the min-tokens mask, the all-greedy one): see `_any_on_some_replica`.
     """
     raw = jax.nn.log_softmax(logits, axis=-1)  # [B, V]
     top_logprobs, top_ids = jax.lax.top_k(raw, num_top_logprobs)  # [B, K]
     # Steps where no row has a penalty, or no row is under min_tokens, skip that pass over the
     # vocabulary (its scatters into [B, V] counts cost as much as the lm_head at batch 32).
-    has_penalty = jnp.any((s.repetition_penalty != 1) | (s.presence_penalty != 0)
-                          | (s.frequency_penalty != 0))
-    adjusted = jax.lax.cond(_on_every_replica(has_penalty, replica_axes, any_of=True),
-                            lambda: apply_penalties(logits, s), lambda: logits)
-    adjusted = jax.lax.cond(
-        _on_every_replica(jnp.any(s.steps < s.min_tokens), replica_axes, any_of=True),
-        lambda: mask_banned(adjusted, s), lambda: adjusted)  # [B, V]
-    greedy = jnp.argmax(adjusted, axis=-1)  # [B]
     # An all-greedy batch skips the sort over the vocabulary that the filters need.
-    all_greedy = _on_every_replica(jnp.all(s.temperature <= 0), replica_axes, any_of=False)
+    has_penalty, has_min_tokens, has_sampled = _any_on_some_replica([
+        jnp.any((s.repetition_penalty != 1) | (s.presence_penalty != 0)
+                | (s.frequency_penalty != 0)),
+        jnp.any(s.steps < s.min_tokens), jnp.any(s.temperature > 0)], replica_axes)
+    adjusted = jax.lax.cond(has_penalty, lambda: apply_penalties(logits, s), lambda: logits)
+    adjusted = jax.lax.cond(has_min_tokens, lambda: mask_banned(adjusted, s),
+                            lambda: adjusted)  # [B, V]
+    greedy = jnp.argmax(adjusted, axis=-1)  # [B]
+    all_greedy = jnp.logical_not(has_sampled)
     drawn = jax.lax.cond(
         all_greedy, lambda: greedy,
         lambda: draw(apply_filters(scale(adjusted, s.temperature), s), s.seeds, s.steps))  # [B]
@@ -174,15 +174,17 @@ def sample(logits: jax.Array, s: DeviceSampling, *, num_top_logprobs: int = 0,
                    top_logprobs=top_logprobs)
 
 
-def _on_every_replica(flag: jax.Array, replica_axes: tuple[str, ...], *,
-                      any_of: bool) -> jax.Array:
-    """`flag` agreed across the shard_map replicas (any or all of them), so that every replica
-    takes the same branch of a `lax.cond`: collectives inside diverging branches would wait on
-    each other forever."""
+def _any_on_some_replica(flags: list[jax.Array], replica_axes: tuple[str, ...]
+                         ) -> list[jax.Array]:
+    """Each boolean flag ORed over the shard_map replicas, so that every replica takes the same
+    branch of a `lax.cond` (collectives inside diverging branches would wait on each other
+    forever). One scalar collective carries them all: flag i counts in base R + 1, R replicas."""
     if not replica_axes:
-        return flag
-    reduce = jax.lax.pmax if any_of else jax.lax.pmin
-    return reduce(flag.astype(jnp.int32), replica_axes) > 0
+        return flags
+    base = jax.lax.psum(1, replica_axes) + 1  # a count of replicas never reaches it
+    packed = sum(flag.astype(jnp.int32) * base ** i for i, flag in enumerate(flags))
+    total = jax.lax.psum(packed, replica_axes)
+    return [(total // base ** i) % base > 0 for i in range(len(flags))]
 
 
 def token_counts(ids: jax.Array, weights: jax.Array, vocab_size: int) -> jax.Array:

@@ -480,8 +480,10 @@ def run_peers(names: Sequence[str], model_name_or_path: str, requests: list[Benc
     results = {}
     for name in names:
         try:
+            # Every core this process may use, as meshserve's own steps do (llama.cpp would
+            # otherwise take half of them).
             result = dict(peers.run_peer(name, model_name_or_path, requests,
-                                         max_batch_size=max_batch_size))
+                                         max_batch_size=max_batch_size, threads=_cpu_count()))
         except peers.PeerUnavailable as err:
             log(f"peer {name} skipped: {err}")
             results[name] = {"skipped": str(err)}

@@ -20,10 +20,11 @@ import dataclasses
 import itertools
 import sys
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
+from meshserve.batching.buckets import token_bucket_sizes
 from meshserve.batching.pipeline import (PLACEHOLDER, PipelineSchedule, UnitShape,
                                          build_schedule)
 from meshserve.batching.plan import StepPlan
@@ -155,13 +156,21 @@ class EngineConfig:
             num_pages=self.num_pages, page_size=self.page_size, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, prefill_chunk=self.prefill_chunk,
             max_model_len=self.max_model_len, policy=self.policy,
-            # The ragged step pads only the step's total: chunks are cut to land it on a bucket
-            # (step_buckets), never to per-chunk buckets.
-            token_buckets=(self.prefill_chunk,), bound_padded_prefill=False,
-            step_buckets=self.runner_config().token_buckets,
+            **self._chunking(),
             eos_token_ids=tuple(eos_token_ids), num_replicas=num_replicas,
             enable_prefix_caching=self.enable_prefix_caching, kv_watermark=self.kv_watermark,
             ordering=self.ordering)
+
+    def _chunking(self) -> dict[str, Any]:
+        """How the scheduler cuts prefill chunks for this engine's runner. The ragged step pads
+        only a step's total, so a chunk is cut to land the step on the nearer token bucket and
+        never to a per-chunk bucket. A pipeline's units are prefill_chunk wide: chunks are cut to
+        token buckets, and a padded sub-batch stays within the budget."""
+        if self.mesh_config.stage > 1:
+            return dict(token_buckets=token_bucket_sizes(self.prefill_chunk),
+                        bound_padded_prefill=True)
+        return dict(token_buckets=(self.prefill_chunk,), bound_padded_prefill=False,
+                    step_buckets=self.runner_config().token_buckets)
 
     def make_length_predictor(self) -> LearnedPredictor | None:
         """The predictor "predicted" ordering uses: loaded from `length_predictor`, or new."""
