@@ -70,8 +70,9 @@ from meshserve.sharding.hardware import HardwareSpec
 COLLECTIVE_LATENCY_S = 10e-6
 # Collectives of the sampler on the vocabulary-split logits in every step (the greedy path of the
 # compiled step): per-row maxima and sums, candidate gathers, one all-gather of the [rows, V]
-# float32 logits for the top-k logprobs, and the scalar all-greedy vote.
-SAMPLER_COLLECTIVES = 8
+# float32 logits for the top-k logprobs, and the scalar vote on the shortcuts. The penalty and
+# min-tokens passes run only on steps where a row needs them.
+SAMPLER_COLLECTIVES = 7
 LOGITS_BYTES = 4  # the sampler works on float32 logits
 DEFAULT_HEADROOM = 0.1
 

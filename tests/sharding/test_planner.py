@@ -192,11 +192,11 @@ def test_all_reduce_time_by_hand():
         2 * 3 / 4 * 1e6 / 1e10 + COLLECTIVE_LATENCY_S)
     assert planner.all_reduce_seconds(1e6, 1, 1e10) == 0
     # model=2, 4 decode rows: 2 layers * 2 + the embedding's all-reduces of [4, 64] bf16 (512 B),
-    # the [4, 512] float32 logits gathered (8 KiB), and 7 more sampler collectives.
+    # the [4, 512] float32 logits gathered (8 KiB), and 6 more sampler collectives.
     comm = planner.tensor_parallel_seconds(TINY, TOY, MeshShape(1, 1, 2), rows=4, tokens=1)
     all_reduce = 2 * (1 / 2) * 512 / 1e10 + COLLECTIVE_LATENCY_S
     gather = (1 / 2) * 4 * 512 * 4 / 1e10 + COLLECTIVE_LATENCY_S
-    assert comm == pytest.approx(5 * all_reduce + gather + 7 * COLLECTIVE_LATENCY_S)
+    assert comm == pytest.approx(5 * all_reduce + gather + 6 * COLLECTIVE_LATENCY_S)
 
 
 def test_links_across_nodes_use_the_inter_node_bandwidth():
