@@ -1,5 +1,9 @@
 """The compiled steps: pure functions of (params, KV cache, step arrays).
 
+`ragged_step` is what serving runs: one flat batch of tokens (prefill chunks and decodes mixed,
+`RaggedBatch`) against the paged cache, each sequence's next token sampled on device. The
+sub-batch steps below remain as the pipeline's attention path and as a second reference.
+
 `forward_step` runs one serving step over a tuple of sub-batches (prefill chunks, decodes, or both)
 against the paged cache and returns, per sub-batch, the logits at each row's last new token and,
 when targets are given, the logprobs of the prompt tokens. `sample_step` adds per-row sampling on
