@@ -101,145 +101,14 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
+from meshserve.batching.config import (DEFAULT_KV_WATERMARK, ORDERINGS, POLICY_NAMES,  # noqa: F401
+                                        SchedulerConfig, _is_int)
 from meshserve.batching.buckets import bucket_sizes, floor_bucket, pick_bucket, token_bucket_sizes
 from meshserve.batching.length import LengthPredictor, PriorPredictor, extract_features
 from meshserve.batching.pages import PageAllocator, num_pages_for
 from meshserve.batching.plan import SamplingArrays, StepPlan, SubBatchPlan, sub_batch_from_rows
 from meshserve.batching.request import Request, RequestStatus
 from meshserve.batching.sampling import SamplingParams
-
-POLICY_NAMES = ("continuous", "static")
-ORDERINGS = ("fcfs", "predicted")
-# Measured on the storm workload of tests/batching/test_kv_accounting.py (prompts that fill the
-# cache, requests that still grow): preemptions 116 -> 21 and recomputed tokens 5236 -> 1195 for
-# 2% more steps. 0.04 keeps twice as many preemptions; 0.15 and up mostly delays admission.
-DEFAULT_KV_WATERMARK = 0.08
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SchedulerConfig:
-    """Cache geometry and per-step limits.
-
-    `max_model_len` caps one request's prompt + max_tokens. `token_buckets` are the padded prefill
-    lengths the runner compiles; by default `token_bucket_sizes(prefill_chunk)`, powers of two
-    from 8 up to `prefill_chunk`. `eos_token_ids` end a request unless it sets `ignore_eos`.
-
-    `bound_padded_prefill` keeps every prefill sub-batch, once padded to its row and token
-    buckets, within `max_num_batched_tokens` (`fits_padded_budget`). The model runner compiles
-    exactly those shapes, so this is on whenever a runner consumes the plans; turning it off
-    plans by real token counts alone.
-
-    `kv_watermark` is the fraction of a replica's pages admission keeps available for running
-    requests' growth (see the module docstring); `enable_prefix_caching` shares full prompt pages
-    between requests with the same prefix (continuous policy only).
-
-    `ordering` is how waiting requests are taken: "fcfs", or "predicted" (shortest predicted
-    first, with aging; see "Predicted ordering" in the module docstring). `reserve_quantile` is
-    the quantile of each request's predicted output length that "predicted" keeps pages for, and
-    `aging_tokens_per_step` how fast a waiting request's predicted cost shrinks while it waits.
-
-    `step_buckets`, when given, are the token counts a runner pads a whole step to (the ragged
-    step's buckets): a prefill chunk is then cut so that the step's tokens land on the bucket
-    below, when that is nearer than the bucket above (`fit_step_bucket`). The cut-off tokens run
-    next step, beside decodes that run anyway; padding up would compute more slots than that.
-    """
-
-    num_pages: int
-    page_size: int
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 512
-    prefill_chunk: int = 256
-    max_model_len: int
-    policy: str = "continuous"
-    token_buckets: tuple[int, ...] | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    bound_padded_prefill: bool = True
-    num_replicas: int = 1
-    enable_prefix_caching: bool = True
-    kv_watermark: float = DEFAULT_KV_WATERMARK
-    ordering: str = "fcfs"
-    reserve_quantile: float = 0.9
-    aging_tokens_per_step: float = 1.0
-    step_buckets: tuple[int, ...] | None = None
-
-    def __post_init__(self):
-        if self.ordering not in ORDERINGS:
-            raise ValueError(f"ordering must be one of {ORDERINGS}, got {self.ordering!r}")
-        if not isinstance(self.reserve_quantile, numbers.Real) or not (
-                0 <= self.reserve_quantile <= 1):
-            raise ValueError(f"reserve_quantile must be in [0, 1], got {self.reserve_quantile!r}")
-        if not isinstance(self.aging_tokens_per_step, numbers.Real) or not (
-                self.aging_tokens_per_step > 0):
-            raise ValueError(f"aging_tokens_per_step must be > 0, got "
-                             f"{self.aging_tokens_per_step!r}")
-        if not _is_int(self.num_replicas) or self.num_replicas < 1:
-            raise ValueError(f"num_replicas must be an int >= 1, got {self.num_replicas!r}")
-        if not isinstance(self.kv_watermark, numbers.Real) or not 0 <= self.kv_watermark < 1:
-            raise ValueError(f"kv_watermark must be a fraction in [0, 1), got "
-                             f"{self.kv_watermark!r}")
-        self._check_sizes()
-        self._check_budget()
-        if self.policy not in POLICY_NAMES:
-            raise ValueError(f"policy must be one of {POLICY_NAMES}, got {self.policy!r}")
-        self._normalise_buckets()
-        eos = tuple(self.eos_token_ids)
-        if not all(_is_int(t) and t >= 0 for t in eos):
-            raise ValueError(f"eos_token_ids must be non-negative ints, got {self.eos_token_ids}")
-        object.__setattr__(self, "eos_token_ids", eos)
-
-    @property
-    def is_prefix_caching(self) -> bool:
-        """Whether pages are cached and looked up: on request, and never under static."""
-        return self.enable_prefix_caching and self.policy == "continuous"
-
-    @property
-    def admission_lookahead(self) -> int:
-        """How far past the head of the queue admission looks for same-bucket requests."""
-        return 2 * self.max_num_seqs
-
-    def _check_sizes(self) -> None:
-        if not _is_int(self.num_pages) or self.num_pages < 2:
-            raise ValueError(f"num_pages must be an int >= 2 (page 0 is the reserved dummy page), "
-                             f"got {self.num_pages!r}")
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk",
-                     "max_model_len"):
-            value = getattr(self, name)
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-
-    def _check_budget(self) -> None:
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-                f"({self.max_num_seqs}), so that every running request can decode each step")
-        if self.prefill_chunk > self.max_num_batched_tokens:
-            raise ValueError(
-                f"prefill_chunk ({self.prefill_chunk}) must be <= max_num_batched_tokens "
-                f"({self.max_num_batched_tokens}); lower prefill_chunk or raise the budget")
-
-    def _normalise_buckets(self) -> None:
-        buckets = self.token_buckets
-        if buckets is None:
-            buckets = token_bucket_sizes(self.prefill_chunk)
-        buckets = tuple(buckets)
-        is_increasing = all(_is_int(b) and b >= 1 for b in buckets) and all(
-            a < b for a, b in zip(buckets, buckets[1:]))
-        if not buckets or not is_increasing or buckets[-1] < self.prefill_chunk:
-            raise ValueError(f"token_buckets must be increasing positive ints ending at >= "
-                             f"prefill_chunk ({self.prefill_chunk}), got {self.token_buckets}")
-        object.__setattr__(self, "token_buckets", buckets)
-        if self.step_buckets is not None:
-            steps = tuple(self.step_buckets)
-            if not steps or not all(_is_int(b) and b >= 1 for b in steps) or any(
-                    a >= b for a, b in zip(steps, steps[1:])):
-                raise ValueError(f"step_buckets must be increasing positive ints, got "
-                                 f"{self.step_buckets}")
-            object.__setattr__(self, "step_buckets", steps)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
 
 @dataclasses.dataclass(frozen=True)
 class Row:
