@@ -19,8 +19,8 @@ import jax.numpy as jnp
 from meshserve.model import attention, steps
 from meshserve.model.pretrained import load_pretrained
 from meshserve.model.sampler import Sampled
-from meshserve.serving import roofline
-from meshserve.serving.bench import decode_runner
+from meshserve.serving.bench import roofline
+from meshserve.serving.bench.bench import decode_runner
 
 
 def _identity_attention(q, k, v, cache_k, cache_v, layer, meta, *, block_pages):

@@ -15,10 +15,10 @@ Subcommands:
              weights, config, tokenizer and manifest; `--model DIR` then loads it
   client     prompts to a running `serve` (`--target`), answers streamed; `--info`: GetServerInfo
   plan       predict every (data, stage, model) mesh of a model on given hardware from a cost
-             model, and rank them against SLOs (`meshserve.serving.plan_command`)
+             model, and rank them against SLOs (`meshserve.serving.bench.plan_command`)
   mesh-sweep measure a model and workload on each of several meshes of the devices at hand:
              step times, serving, memory, collectives, against the planner
-             (`meshserve.serving.mesh_sweep`)
+             (`meshserve.serving.bench.mesh_sweep`)
 
 Engine options are generated from `EngineConfig`'s fields, so a knob is declared once and the CLI
 follows it.
@@ -54,12 +54,13 @@ from meshserve.model.checkpoint import check_destination, save_checkpoint
 from meshserve.model.config import weight_bytes
 from meshserve.model.hub import DEFAULT_MODEL, resolve_model
 from meshserve.model.pretrained import load_pretrained
-from meshserve.serving import latency, multihost, roofline
+from meshserve.serving import multihost
+from meshserve.serving.bench import latency, roofline
 from meshserve.serving.client import Client, ClientError, StreamChunk
 from meshserve.serving.engine import EngineConfig
 from meshserve.serving.llm import LLM
-from meshserve.serving.mesh_sweep import add_mesh_sweep_parser, run_mesh_sweep
-from meshserve.serving.plan_command import add_plan_parser, run_plan
+from meshserve.serving.bench.mesh_sweep import add_mesh_sweep_parser, run_mesh_sweep
+from meshserve.serving.bench.plan_command import add_plan_parser, run_plan
 from meshserve.serving.server import GenerationServer, ServerConfig
 
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -352,7 +353,7 @@ QUICK_MAX_PROMPT, QUICK_MAX_OUTPUT, QUICK_MAX_MODEL_LEN = 128, 32, 256
 
 
 def run_bench(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
-    from meshserve.serving import bench, plots
+    from meshserve.serving.bench import bench, plots
 
     _check_bench_args(args)
     if args.policy in ORDERINGS:  # both batching policies always run: --policy picks the ordering
@@ -732,7 +733,7 @@ def demo_prompts() -> Path:
 # -- roofline ----------------------------------------------------------------------------------
 
 def run_roofline(args: argparse.Namespace) -> None:
-    from meshserve.serving.bench import decode_runner
+    from meshserve.serving.bench.bench import decode_runner
 
     llm = _load(args, needs_tokenizer=False, warmup=False)
     config, batches = llm.model_config, args.batch or [1]
@@ -752,7 +753,7 @@ def run_roofline(args: argparse.Namespace) -> None:
         rows.append({"batch": batch, "step_s": step, "floor_s": floor,
                      "floor_over_step": floor / step})
     if args.output:
-        from meshserve.serving import bench
+        from meshserve.serving.bench import bench
 
         bench.write_results(args.output, {
             "command": "meshserve " + " ".join(sys.argv[1:]), "model": config.name,

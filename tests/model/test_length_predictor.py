@@ -10,8 +10,8 @@ from meshserve.batching.length import FeatureConfig, PriorPredictor, extract_fea
 from meshserve.batching.sampling import SamplingParams
 from meshserve.model.length_predictor import LearnedPredictor, PredictorConfig
 from meshserve.model.runner import CompileCounter
-from meshserve.serving.length_eval import (MarginalPredictor, evaluate, planted_length_workload,
-                                           sample_features, split)
+from meshserve.serving.bench.length_eval import (MarginalPredictor, evaluate,
+                                                 planted_length_workload, sample_features, split)
 
 CONFIG = PredictorConfig(capacity=1024, num_steps=200)
 SMALL = PredictorConfig(capacity=256, num_steps=40, eval_every=20, max_batch=32)  # quick to train

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from meshserve.batching.scheduler import KVUsage
-from meshserve.serving import bench, latency
+from meshserve.serving.bench import bench, latency
 from meshserve.serving.cli import main
 
 SMALL = ["--model", "tiny-llama", "--num-pages", "64", "--max-num-seqs", "4",
@@ -193,7 +193,7 @@ def test_bench_needs_online_mode_and_slos_for_find_max_rate(capsys):
 
 
 def test_hf_peer_without_torch_is_skipped_with_a_message(tmp_path, capsys):
-    pytest.importorskip("meshserve.serving.peers")
+    pytest.importorskip("meshserve.serving.bench.peers")
     try:
         import torch  # noqa: F401
         pytest.skip("torch is installed")

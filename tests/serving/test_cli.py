@@ -61,7 +61,7 @@ def test_model_without_tokenizer_is_a_clear_error(capsys):
 @pytest.mark.slow
 def test_generate_reports_its_startup(capsys, smollm2_files):
     """The lines `meshserve bench --startup` reads: load, the compiled set, the first token."""
-    from meshserve.serving.bench import parse_startup
+    from meshserve.serving.bench.bench import parse_startup
 
     code = main(["generate", "--model", str(smollm2_files.path), "--prompt", "hi",
                  "--max-tokens", "2", "--num-pages", "16", "--max-num-seqs", "1",

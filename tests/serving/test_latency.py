@@ -1,4 +1,4 @@
-"""`serving.latency` on hand-made timestamps: every metric checked against numbers worked out
+"""`serving.bench.latency` on hand-made timestamps: every metric checked against numbers worked out
 by hand (the arithmetic is in the comments), plus the edge cases."""
 
 import json
@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from meshserve.serving.latency import (RequestTiming, Slos, distribution, mlperf_server_slos,
-                                       summarize)
+from meshserve.serving.bench.latency import (RequestTiming, Slos, distribution,
+                                             mlperf_server_slos, summarize)
 
 # A: sent 10.0; chunks at 10.5 (1 token), 10.7 (2 tokens), 11.0 (1 token); 8 prompt tokens.
 #    TTFT 0.5, E2EL 1.0, 4 output tokens, TPOT (1.0 - 0.5) / 3 = 1/6, ITLs 0.2 and 0.3.
@@ -172,7 +172,7 @@ def test_request_timing_is_checked_and_frozen():
 
 
 def test_the_latency_module_imports_no_jax_or_grpc():
-    code = ("import sys, meshserve.serving.latency\n"
+    code = ("import sys, meshserve.serving.bench.latency\n"
             "bad = [m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'grpc')]\n"
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

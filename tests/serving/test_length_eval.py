@@ -5,9 +5,9 @@ import json
 import pytest
 
 from meshserve.batching.sampling import SamplingParams
-from meshserve.serving import length_eval
-from meshserve.serving.length_eval import (LengthSample, chat_prompts, load_dataset,
-                                           planted_length_workload, save_dataset, split)
+from meshserve.serving.bench import length_eval
+from meshserve.serving.bench.length_eval import (LengthSample, chat_prompts, load_dataset,
+                                                 planted_length_workload, save_dataset, split)
 
 
 def test_planted_workload_is_seeded_and_within_bounds():
@@ -55,7 +55,7 @@ def test_the_learned_predictor_and_test_prompts_are_saved_for_a_serving_run(tmp_
     """--save-predictor writes what `--length-predictor` loads; --save-test writes the held-out
     prompts as a bench JSONL workload."""
     from meshserve.model.length_predictor import LearnedPredictor
-    from meshserve.serving.bench import load_jsonl_workload
+    from meshserve.serving.bench.bench import load_jsonl_workload
 
     predictor, workload = tmp_path / "p.npz", tmp_path / "test.jsonl"
     assert length_eval.main(["--num-requests", "200", "--save-predictor", str(predictor),

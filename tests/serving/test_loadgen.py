@@ -1,4 +1,4 @@
-"""`serving.loadgen`: the seeded arrival schedule, and `run_online` against a real
+"""`serving.bench.loadgen`: the seeded arrival schedule, and `run_online` against a real
 GenerationServer on 127.0.0.1 serving the tiny random Llama (token-id prompts)."""
 
 import contextlib
@@ -10,10 +10,10 @@ import time
 import numpy as np
 import pytest
 
-from meshserve.serving.bench import BenchRequest
-from meshserve.serving.latency import summarize
+from meshserve.serving.bench.bench import BenchRequest
+from meshserve.serving.bench.latency import summarize
 from meshserve.serving.llm import LLM
-from meshserve.serving.loadgen import arrival_times, run_online
+from meshserve.serving.bench.loadgen import arrival_times, run_online
 from meshserve.serving.server import GenerationServer, ServerConfig
 
 ENGINE = dict(num_pages=64, page_size=16, max_num_seqs=8, max_num_batched_tokens=64,
@@ -160,6 +160,6 @@ def test_an_unreachable_server_fails_every_request_with_unavailable():
 
 
 def test_the_loadgen_module_imports_no_jax():
-    code = ("import sys, meshserve.serving.loadgen\n"
+    code = ("import sys, meshserve.serving.bench.loadgen\n"
             "assert not [m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax')]")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

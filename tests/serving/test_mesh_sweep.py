@@ -14,7 +14,7 @@ import pytest
 
 from meshserve.model.config import ModelConfig
 from meshserve.model.transformer import model_from_params
-from meshserve.serving import mesh_measure, mesh_sweep
+from meshserve.serving.bench import mesh_measure, mesh_sweep
 from meshserve.serving.cli import main
 from meshserve.serving.engine import Engine, EngineConfig
 from meshserve.sharding.hlo import COLLECTIVES

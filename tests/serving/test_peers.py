@@ -1,12 +1,13 @@
-"""`meshserve.serving.peers`: optional peers run when installed and are skipped cleanly if not."""
+"""`meshserve.serving.bench.peers`: optional peers run when installed and are skipped cleanly if
+not."""
 
 import importlib.util
 import json
 
 import pytest
 
-from meshserve.serving.bench import BenchRequest
-from meshserve.serving.peers import PEERS, PeerUnavailable, run_peer
+from meshserve.serving.bench.bench import BenchRequest
+from meshserve.serving.bench.peers import PEERS, PeerUnavailable, run_peer
 
 MODULES = {"hf": ("torch", "transformers"), "llama-cpp": ("llama_cpp",)}
 EXTRAS = {"hf": "peers-hf", "llama-cpp": "peers-llama-cpp"}

@@ -18,7 +18,7 @@ from flax import nnx
 
 from meshserve.model.config import ModelConfig
 from meshserve.model.transformer import abstract_model
-from meshserve.serving.plan_command import add_plan_parser, run_plan
+from meshserve.serving.bench.plan_command import add_plan_parser, run_plan
 from meshserve.sharding import padding, planner
 from meshserve.sharding.hardware import HARDWARE, HardwareSpec, hardware
 from meshserve.sharding.mesh import MeshConfig
@@ -372,6 +372,6 @@ def test_run_plan_refuses_bad_input_with_the_fix():
 
 
 def test_planning_imports_no_jax():
-    code = ("import sys, meshserve.serving.plan_command, meshserve.sharding.planner\n"
+    code = ("import sys, meshserve.serving.bench.plan_command, meshserve.sharding.planner\n"
             "assert 'jax' not in sys.modules, 'jax was imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -10,7 +10,7 @@ XLA_FLAGS=--xla_force_host_platform_device_count=8; a mesh needing more devices 
 is refused before anything is loaded. A mesh the model cannot be split over (more stages than
 layers, GPT-2 heads that do not divide) is recorded with the reason, and the sweep goes on.
 
-Per mesh, one engine on the same host weights (`meshserve.serving.mesh_measure` says how each
+Per mesh, one engine on the same host weights (`meshserve.serving.bench.mesh_measure` says how each
 figure is taken):
   steps        median seconds of the engine's own prefill and decode calls, run again
                `--repeats` times, for the first `--concurrency` requests sent together
@@ -33,7 +33,7 @@ rank correlation.
 
 Output: a table; with `--output`, the JSON (command, git commit, machine, jax version, devices,
 engine config, one record per mesh, the comparison) and PNG charts next to it
-(`meshserve.serving.mesh_sweep_plots`).
+(`meshserve.serving.bench.mesh_sweep_plots`).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ import jax
 import numpy as np
 
 from meshserve.model.pretrained import Pretrained, load_pretrained
-from meshserve.serving import bench, mesh_measure, roofline
+from meshserve.serving.bench import bench, mesh_measure, roofline
 from meshserve.serving.engine import Engine, EngineConfig
 from meshserve.sharding import planner
 from meshserve.sharding.hardware import HardwareSpec
@@ -110,7 +110,7 @@ def run_mesh_sweep(args: argparse.Namespace, argv: Sequence[str] | None,
                                           fill_bubbles=config.bubble_filling)
     print(format_table(records, comparison))
     if args.output or args.plots_dir:
-        from meshserve.serving import mesh_sweep_plots
+        from meshserve.serving.bench import mesh_sweep_plots
 
         directory = args.plots_dir or args.output.parent
         stem = args.output.stem if args.output else "mesh-sweep"

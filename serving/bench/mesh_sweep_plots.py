@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from meshserve.serving.plots import save_figures
+from meshserve.serving.bench.plots import save_figures
 from meshserve.sharding.hlo import COLLECTIVES
 
 

@@ -5,7 +5,7 @@ Modes:
   offline   all requests at t=0, straight into the engine (`run_offline`);
   online    through the gRPC server on 127.0.0.1, with Poisson or gamma arrivals at a rate, or a
             fixed concurrency (`run_online`); latencies are measured at the client
-            (`meshserve.serving.latency`: TTFT, TPOT, ITL, E2EL, goodput against named SLOs).
+            (`meshserve.serving.bench.latency`: TTFT, TPOT, ITL, E2EL, goodput against named SLOs).
 
 Workloads (prompt tokens are seeded random ids; every output is forced to its target length with
 `ignore_eos` and `max_tokens`, so both policies do the same work):
@@ -25,7 +25,7 @@ Reported per policy: output tokens/s, request/s, padding waste (prefill and deco
 overhead, KV pages and internal fragmentation (sampled after every step), preemptions, compiles
 after warm-up, and the ratios continuous/static. Around that: the decode roofline of this machine
 (`run_roofline`), sweeps over rates or concurrencies, the highest Poisson rate that still meets
-the SLOs (`find_max_rate`), and peers (`run_peers`, through `meshserve.serving.peers`).
+the SLOs (`find_max_rate`), and peers (`run_peers`, through `meshserve.serving.bench.peers`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from meshserve.batching.sampling import SamplingParams
 from meshserve.batching.scheduler import KVUsage
 from meshserve.model.config import kv_bytes_per_token
 from meshserve.model.runner import ModelRunner, RunnerConfig
-from meshserve.serving import latency, loadgen, roofline
+from meshserve.serving.bench import latency, loadgen, roofline
 from meshserve.serving.engine import Engine, EngineConfig
 from meshserve.serving.server import GenerationServer, ServerConfig
 
@@ -469,13 +469,13 @@ def _host_memory_bytes() -> int:
 def run_peers(names: Sequence[str], model_name_or_path: str, requests: list[BenchRequest], *,
               max_batch_size: int, continuous: dict[str, Any] | None = None,
               log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Each peer on the same requests through `meshserve.serving.peers.run_peer`; one that is
+    """Each peer on the same requests through `meshserve.serving.bench.peers.run_peer`; one that is
     unavailable is recorded as `{"skipped": message}`, never an error. With `continuous` (its
     results), the ratios continuous / peer are added."""
     try:
-        from meshserve.serving import peers
+        from meshserve.serving.bench import peers
     except ImportError as err:
-        return {name: {"skipped": f"meshserve.serving.peers is not available ({err})"}
+        return {name: {"skipped": f"meshserve.serving.bench.peers is not available ({err})"}
                 for name in names}
     results = {}
     for name in names:

@@ -25,19 +25,19 @@ Metrics (`evaluate`), on the test part:
 Predictors compared: `prior` (`PriorPredictor`, no data), `marginal` (the training set's length
 quantiles for every request: data, but no features) and `learned` (`LearnedPredictor`).
 
-    python -m meshserve.serving.length_eval --workload planted --out results.json
+    python -m meshserve.serving.bench.length_eval --workload planted --out results.json
 
 The committed results were made with (the dataset first, then both evaluations):
 
-    python -m meshserve.serving.length_eval --workload smollm2 --num-requests 160 \
+    python -m meshserve.serving.bench.length_eval --workload smollm2 --num-requests 160 \
         --dataset benchmarks/results/length-smollm2-dataset.jsonl
-    python -m meshserve.serving.length_eval --workload planted \
+    python -m meshserve.serving.bench.length_eval --workload planted \
         --workload jsonl:benchmarks/results/length-smollm2-dataset.jsonl \
         --out benchmarks/results/length-predictor-eval.json
 
 and the predictor and held-out prompts of the serving comparison in README with:
 
-    python -m meshserve.serving.length_eval \
+    python -m meshserve.serving.bench.length_eval \
         --workload jsonl:benchmarks/results/length-smollm2-dataset.jsonl \
         --save-predictor benchmarks/results/length-predictor-smollm2.npz \
         --save-test benchmarks/results/length-smollm2-test-workload.jsonl
@@ -279,7 +279,7 @@ def load_workload(name: str, args: argparse.Namespace) -> list[LengthSample]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m meshserve.serving.length_eval",
+    parser = argparse.ArgumentParser(prog="python -m meshserve.serving.bench.length_eval",
                                      description="Output-length predictors against the prior.")
     parser.add_argument("--workload", action="append",
                         help="planted, smollm2 (generates and writes --dataset) or jsonl:PATH; "
@@ -299,8 +299,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if (args.save_predictor or args.save_test) and len(args.workload or ["planted"]) != 1:
         parser.error("--save-predictor and --save-test need a single --workload")
     argv = sys.argv[1:] if argv is None else list(argv)
-    results = {"command": shlex.join(["python", "-m", "meshserve.serving.length_eval", *argv]),
-               "results": {}}
+    command = ["python", "-m", "meshserve.serving.bench.length_eval", *argv]
+    results = {"command": shlex.join(command), "results": {}}
     try:
         for name in args.workload or ["planted"]:
             result = run_eval(load_workload(name, args), train_fraction=args.train_fraction,

@@ -1,8 +1,9 @@
 """`meshserve plan`: the mesh planner's command line, a ranked table and optional JSON.
 
 `add_plan_parser(subparsers)` adds the `plan` subcommand to the `meshserve` parser and
-`run_plan(args)` runs it; `python -m meshserve.serving.plan_command plan ...` runs it alone. The
-cost model is `meshserve.sharding.planner`; nothing here imports jax, so planning starts at once.
+`run_plan(args)` runs it; `python -m meshserve.serving.bench.plan_command plan ...` runs it
+alone. The cost model is `meshserve.sharding.planner`; nothing here imports jax, so planning
+starts at once.
 """
 
 from __future__ import annotations

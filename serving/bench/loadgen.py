@@ -1,5 +1,5 @@
 """Online load generation: send benchmark requests to a running server on an arrival schedule
-and record, for each, what `serving.latency` needs (`RequestTiming`).
+and record, for each, what `serving.bench.latency` needs (`RequestTiming`).
 
 Arrival schedule (`arrival_times`): request 0 arrives at t = 0 and request i at the sum of the
 first i gaps, where the gaps are independent gamma draws with shape `burstiness` and scale
@@ -35,10 +35,10 @@ from tqdm.auto import tqdm
 
 from meshserve.serving.client import (AsyncClient, AsyncStream, ClientError, Completion,
                                       StreamChunk)
-from meshserve.serving.latency import RequestTiming
+from meshserve.serving.bench.latency import RequestTiming
 
 if TYPE_CHECKING:  # bench imports jax; the load generator itself needs none
-    from meshserve.serving.bench import BenchRequest
+    from meshserve.serving.bench.bench import BenchRequest
 
 _CONNECT_TIMEOUT = 10.0  # seconds the pre-run health check may take
 

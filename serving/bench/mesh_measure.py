@@ -33,7 +33,7 @@ import numpy as np
 
 from meshserve.batching.sampling import SamplingParams
 from meshserve.serving.engine import Engine, EngineConfig
-from meshserve.serving.roofline import median_seconds
+from meshserve.serving.bench.roofline import median_seconds
 from meshserve.sharding.hlo import (COLLECTIVES, Hlo, add_tallies, executed_collectives,
                                     static_collectives)
 from meshserve.sharding.programs import compile_pipeline_call, compile_step
