@@ -15,6 +15,9 @@ Invariants:
   template emits (e.g. `<|im_end|>`), so generation stops at the end of an assistant turn.
 * `apply_chat_template` renders the Jinja template the way HF transformers does: sandboxed,
   `trim_blocks` and `lstrip_blocks`, with `raise_exception`, `strftime_now` and `tojson`.
+  Message content is data, never template code. Roles are limited to `CHAT_ROLES`. As in HF
+  transformers, special-token text inside content (`<|im_start|>`) encodes to the special token.
+* Text with a lone surrogate (no UTF-8 form) is refused with a ValueError naming where it is.
 * `IncrementalDecoder` never returns a partial UTF-8 character, and the concatenation of its
   deltas (including `flush()`) equals `Tokenizer.decode` of all ids it was fed.
 """
@@ -257,8 +260,33 @@ def compile_chat_template(source: str) -> jinja2.Template:
     return environment.from_string(source)
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def is_valid_unicode(text: str) -> bool:
+    """False if `text` holds a lone surrogate: such a str has no UTF-8 form, so no tokenizer,
+    wire format or decoded output can carry it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def check_text(text: str, name: str) -> None:
+    """Fail, naming `name`, unless `text` is valid Unicode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"{name} holds a lone surrogate ({text[error.start]!r} at index {error.start}); send valid Unicode."
+        ) from None
+
+
 def validate_messages(messages: Any) -> None:
-    """Fail unless `messages` is a non-empty list of dicts with string `role` and `content`."""
+    """Fail unless `messages` is a non-empty list of dicts with a `role` from CHAT_ROLES and string
+    `content`, both valid Unicode. A template renders any role it is given, so an unknown or
+    empty one would reach the model as a made-up turn marker."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of {'role': str, 'content': str} dicts.")
     for index, message in enumerate(messages):
@@ -271,6 +299,11 @@ def validate_messages(messages: Any) -> None:
                 raise ValueError(
                     f"messages[{index}][{key!r}] must be a string, got {type(message.get(key)).__name__}."
                 )
+            check_text(message[key], f"messages[{index}][{key!r}]")
+        if message["role"] not in CHAT_ROLES:
+            raise ValueError(
+                f"messages[{index}]['role'] is {message['role'][:40]!r}; it must be one of {', '.join(CHAT_ROLES)}."
+            )
 
 
 class Tokenizer:
@@ -282,6 +315,7 @@ class Tokenizer:
         self._backend = backend
         self._special = special
         self._chat_template = chat_template
+        self._max_token_chars: int | None = None
 
     @classmethod
     def from_file(cls, path: str | Path, tokenizer_config: Mapping[str, Any] | None = None) -> Tokenizer:
@@ -342,6 +376,17 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         return self._chat_template
 
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token decodes to: a text longer than `n * max_token_chars` cannot
+        fit in `n` tokens, which a server can tell before paying for the tokenization."""
+        if self._max_token_chars is None:
+            num_ids = self._backend.get_vocab_size(with_added_tokens=True)
+            self._max_token_chars = max(
+                len(self._backend.decode([i], skip_special_tokens=False)) for i in range(num_ids)
+            )
+        return self._max_token_chars
+
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
@@ -352,6 +397,7 @@ class Tokenizer:
         """Token ids for `text`; `add_special_tokens` controls only the BOS the model may want."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects a str, got {type(text).__name__}.")
+        check_text(text, "the text")
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:

@@ -37,7 +37,7 @@ from meshserve.model.length_predictor import LearnedPredictor
 from meshserve.model.runner import (ATTENTION_CHOICES, CompileCounter, ModelRunner,
                                     RunnerConfig, SampledRows, enable_compilation_cache)
 from meshserve.model.pipeline import PipelineRunner
-from meshserve.model.tokenizer import IncrementalDecoder, Tokenizer
+from meshserve.model.tokenizer import IncrementalDecoder, Tokenizer, is_valid_unicode
 from meshserve.serving.multihost import payload_sizes
 from meshserve.serving.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from meshserve.sharding.layout import prepare
@@ -45,6 +45,9 @@ from meshserve.sharding.mesh import MeshConfig
 
 POLICIES = ("continuous", "static")
 DEFAULT_MAX_MODEL_LEN = 2048
+MAX_REQUEST_ID_BYTES = 256  # a request id is echoed in every streamed message
+MAX_STOP_STRINGS = 64  # each step searches new text for each stop string of each request
+MAX_STOP_STRING_CHARS = 1024  # and holds back len(longest) - 1 characters while streaming
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -257,10 +260,12 @@ class Engine:
         """Queues a request; raises ValueError, naming what to change, if it can never run."""
         params = params or SamplingParams()
         prompt_ids, text = self._prompt_ids(prompt)
-        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id is None:
+            request_id = str(next(self._ids))
+        check_request_id(request_id)
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        self._check_limits(params)
+        self.check_params(params)
         request = Request(request_id=request_id, prompt_token_ids=prompt_ids, params=params,
                           priority=priority)
         self.scheduler.add(request)
@@ -327,10 +332,17 @@ class Engine:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
         return ids, text
 
-    def _check_limits(self, params: SamplingParams) -> None:
+    def check_params(self, params: SamplingParams) -> None:
+        """Raises ValueError, naming the field, if this engine cannot serve `params`. Reads only
+        settings, so a front end may call it from its own threads before queueing a request."""
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none: use "
                              "stop_token_ids instead")
+        check_stop_strings(params.stop)
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab})")
         num_banned = len(params.stop_token_ids) + len(self.scheduler.config.eos_token_ids)
         if num_banned > self.runner.config.max_stop_ids:
             raise ValueError(f"{len(params.stop_token_ids)} stop_token_ids is too many: at most "
@@ -589,6 +601,33 @@ class EngineStats:
     @property
     def decode_padding(self) -> float:
         return 1 - self.decode_tokens / self.decode_slots if self.decode_slots else 0.0
+
+
+def check_request_id(request_id: str) -> None:
+    """A caller's request id is echoed in every streamed message, so it is bounded: a non-empty
+    string of at most MAX_REQUEST_ID_BYTES UTF-8 bytes, printable characters only."""
+    if not isinstance(request_id, str) or not request_id:
+        raise ValueError("request_id must be a non-empty string")
+    if not request_id.isprintable():
+        raise ValueError("request_id must be printable characters: no control characters, "
+                         "line breaks or lone surrogates")
+    size = len(request_id.encode("utf-8"))
+    if size > MAX_REQUEST_ID_BYTES:
+        raise ValueError(f"request_id is {size} bytes long: at most {MAX_REQUEST_ID_BYTES}")
+
+
+def check_stop_strings(stop: Sequence[str]) -> None:
+    """Each step searches a request's new text for each of its stop strings, and streaming holds
+    back the last `len(longest) - 1` characters: both costs stay bounded."""
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop: {len(stop)} stop strings is too many: at most {MAX_STOP_STRINGS}")
+    for s in stop:
+        if len(s) > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"stop: a stop string of {len(s)} characters is too long: at most "
+                             f"{MAX_STOP_STRING_CHARS}")
+        if not is_valid_unicode(s):
+            raise ValueError("stop: a stop string holds a lone surrogate, which no decoded text "
+                             "can contain; send valid Unicode")
 
 
 def _has_penalty(plan: StepPlan) -> bool:

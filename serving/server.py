@@ -52,13 +52,14 @@ from typing import Any, Iterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from google.protobuf.message import DecodeError
 from grpc_reflection.v1alpha import reflection
 
 from meshserve.batching.request import RequestStatus
 from meshserve.batching.sampling import SamplingParams
 from meshserve.serving.api import generation_pb2 as pb
 from meshserve.serving.api import generation_pb2_grpc as pb_grpc
-from meshserve.serving.engine import Engine
+from meshserve.serving.engine import Engine, check_request_id
 from meshserve.serving.metrics import ServerMetrics
 from meshserve.serving.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
@@ -198,6 +199,8 @@ class GenerationServer:
             self.port = self._grpc.add_insecure_port(address)
         if self.port == 0:
             raise RuntimeError(f"could not bind {address}")
+        if self.engine.tokenizer is not None:
+            self.engine.tokenizer.max_token_chars  # noqa: B018 (computed once, before any request)
         self._loop.start()
         self._grpc.start()
         if self.config.metrics_port is not None:
@@ -410,11 +413,11 @@ class GenerationServer:
                                "another replica")
         try:
             prompt_ids, prompt_text = self._prompt(request)
-            params = _sampling_params(request.sampling)
+            params = self._sampling_params(request.sampling)
+            request_id = _request_id(request.request_id)
         except RpcError:
             self.metrics.observe_rejected("invalid")
             raise
-        request_id = request.request_id or f"req-{uuid.uuid4().hex[:12]}"
         sub = _Submission(request_id=request_id, prompt_ids=prompt_ids, prompt_text=prompt_text,
                           params=params, priority=request.priority, deadline=deadline)
         with self._lock:
@@ -446,8 +449,44 @@ class GenerationServer:
         with self._lock:
             return request_id in self._inflight
 
+    def _sampling_params(self, message: pb.SamplingParams) -> SamplingParams:
+        params = _sampling_params(message)
+        try:
+            self.engine.check_params(params)
+        except ValueError as err:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {err}") from None
+        return params
+
     def _prompt(self, request: pb.GenerateRequest) -> tuple[list[int], str | None]:
         kind = request.WhichOneof("prompt")
+        limit = self._max_prompt_tokens()
+        try:
+            ids, text = self._prompt_ids(request, kind, limit)
+        except ValueError as err:  # the tokenizer's or the chat template's refusal
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt.{kind}: {err}") from None
+        if not ids:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt.{kind}: the prompt is empty")
+        vocab = self.engine.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"prompt.token_ids: {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(ids) > limit:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"prompt.{kind}: {len(ids)} tokens exceed the max prompt length of "
+                           f"{limit}; shorten it (it is never truncated)")
+        return ids, text
+
+    def _max_prompt_tokens(self) -> int:
+        limit = self.engine.config.max_model_len - 1
+        if self.config.max_prompt_tokens is not None:
+            limit = min(limit, self.config.max_prompt_tokens)
+        return min(limit, self.config.max_queued_prompt_tokens)  # more could never be admitted
+
+    def _prompt_ids(self, request: pb.GenerateRequest, kind: str | None,
+                    limit: int) -> tuple[list[int], str | None]:
+        """The prompt's token ids and text. A text too long to fit in `limit` tokens is refused
+        by its length, before the tokenizer spends time on it."""
         tokenizer = self.engine.tokenizer
         if kind is None:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
@@ -456,32 +495,17 @@ class GenerationServer:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                            f"prompt.{kind}: this model has no tokenizer; send token_ids")
         if kind == "token_ids":
-            ids, text = list(request.token_ids.ids), None
-        elif kind == "text":
-            text = request.text
-            ids = tokenizer.encode(text, add_special_tokens=True)
-        else:
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            if not messages:
-                raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "prompt.chat: no messages")
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            ids = tokenizer.encode(text, add_special_tokens=True)
-        if not ids:
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt.{kind}: the prompt is empty")
-        vocab = self.engine.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"prompt.token_ids: {bad[0]} is outside the vocabulary [0, {vocab})")
-        limit = self.engine.config.max_model_len - 1
-        if self.config.max_prompt_tokens is not None:
-            limit = min(limit, self.config.max_prompt_tokens)
-        limit = min(limit, self.config.max_queued_prompt_tokens)  # more could never be admitted
-        if len(ids) > limit:
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"prompt.{kind}: {len(ids)} tokens exceed the max prompt length of "
-                           f"{limit}; shorten it (it is never truncated)")
-        return ids, text
+            return list(request.token_ids.ids), None
+        if kind == "text":
+            _check_text_fits(len(request.text), limit, tokenizer.max_token_chars)
+            return tokenizer.encode(request.text, add_special_tokens=True), request.text
+        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        if not messages:
+            raise ValueError("no messages")
+        _check_text_fits(sum(len(m.content) for m in request.chat.messages), limit,
+                         tokenizer.max_token_chars)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=True), text
 
     def server_info(self) -> pb.ServerInfo:
         engine = self.engine
@@ -501,7 +525,9 @@ class GenerationServer:
         options = [("grpc.max_receive_message_length", c.max_message_bytes),
                    ("grpc.max_send_message_length", c.max_message_bytes),
                    ("grpc.so_reuseport", 0)]
-        interceptors = [_ApiKeyInterceptor(self._api_key, self.metrics)] if self._api_key else []
+        interceptors = [_ParseInterceptor(self.metrics)]
+        if self._api_key:
+            interceptors.append(_ApiKeyInterceptor(self._api_key, self.metrics))
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=c.max_concurrent_streams,
                                                         thread_name_prefix="rpc"),
                              options=options, interceptors=interceptors,
@@ -587,6 +613,74 @@ class _ApiKeyInterceptor(grpc.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(
             self._deny, request_deserializer=None if handler is None
             else handler.request_deserializer)
+
+
+class _Unparsed:
+    """What a request that does not parse deserializes to, so its handler can refuse it."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+class _ParseInterceptor(grpc.ServerInterceptor):
+    """A unary request that does not parse (a string field with bad UTF-8, cut-off bytes) is the
+    client's error: INVALID_ARGUMENT with protobuf's reason, where gRPC would answer INTERNAL."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self._metrics = metrics
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        parse, method = handler.request_deserializer, handler_call_details.method
+
+        def deserialize(data: bytes):
+            try:
+                return parse(data)
+            except DecodeError as err:
+                return _Unparsed(f"{method}: the request message does not parse: {err}")
+
+        def refuse(request: _Unparsed, context) -> None:
+            self._metrics.observe_rejected("invalid")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+
+        if handler.response_streaming:
+            def stream(request, context):
+                if isinstance(request, _Unparsed):
+                    refuse(request, context)
+                yield from handler.unary_stream(request, context)
+
+            return grpc.unary_stream_rpc_method_handler(
+                stream, request_deserializer=deserialize,
+                response_serializer=handler.response_serializer)
+
+        def unary(request, context):
+            if isinstance(request, _Unparsed):
+                refuse(request, context)
+            return handler.unary_unary(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            unary, request_deserializer=deserialize,
+            response_serializer=handler.response_serializer)
+
+
+def _request_id(given: str) -> str:
+    """The caller's id, checked (it is echoed in every message), or a fresh one."""
+    if not given:
+        return f"req-{uuid.uuid4().hex[:12]}"
+    try:
+        check_request_id(given)
+    except ValueError as err:
+        raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+    return given
+
+
+def _check_text_fits(num_chars: int, limit: int, max_token_chars: int) -> None:
+    if num_chars > limit * max_token_chars:
+        raise ValueError(f"{num_chars} characters cannot fit in the max prompt length of {limit} "
+                         f"tokens (one token is at most {max_token_chars} characters); shorten it "
+                         f"(it is never truncated)")
 
 
 def _constant_time_equal(a: str, b: str) -> bool:
