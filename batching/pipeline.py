@@ -40,7 +40,8 @@ from typing import Sequence
 
 import numpy as np
 
-from meshserve.batching.plan import SamplingArrays, StepPlan
+from meshserve.batching.plan import StepPlan
+from meshserve.batching.sampling import SamplingArrays, scatter_rows
 
 IDLE, DECODE, PREFILL = 0, 1, 2
 PLACEHOLDER = -1  # an output sampled on device in this call, not yet known to the host
@@ -280,51 +281,12 @@ def _to_arrays(plans: Sequence[StepPlan], units: list[_Unit], shape: UnitShape,
 def _gather_sampling(plans: Sequence[StepPlan], rows: dict[tuple[int, int, int], RowRef],
                      grid: tuple[int, int, int]) -> SamplingArrays:
     """Every plan row's sampling parameters at its slot of `grid`, flattened row-major; empty
-    slots greedy and neutral. History is padded to the widest row."""
-    size = int(np.prod(grid))
-    flat = {ref: (d * grid[1] + u) * grid[2] + r for (d, u, r), ref in rows.items()}
-    width = max([plans[ref.round].sampling[ref.sub_batch].history.shape[1] for ref in flat],
-                default=1)
-    out = {}
-    for field in dataclasses.fields(SamplingArrays):
-        name = field.name
-        sources = [(ref, i) for ref, i in flat.items()
-                   if getattr(plans[ref.round].sampling[ref.sub_batch], name) is not None]
-        if name in ("min_tokens", "banned_ids") and not sources:
-            out[name] = None
-            continue
-        sample = next((getattr(plans[ref.round].sampling[ref.sub_batch], name)
-                       for ref, _ in sources), None)
-        out[name] = _empty_column(name, size, sample, width, plans, sources)
-        for ref, i in sources:
-            value = getattr(plans[ref.round].sampling[ref.sub_batch], name)[ref.row]
-            if np.ndim(value):
-                out[name][i, :value.shape[0]] = value
-            else:
-                out[name][i] = value
-    return SamplingArrays(**out)
-
-
-_NEUTRAL = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
-            "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-            "seeds": 0, "steps": 0, "history": -1, "history_is_output": False, "min_tokens": 0,
-            "banned_ids": -1}
-_DTYPES = {"temperature": np.float32, "top_k": np.int32, "top_p": np.float32,
-           "min_p": np.float32, "repetition_penalty": np.float32,
-           "presence_penalty": np.float32, "frequency_penalty": np.float32, "seeds": np.uint32,
-           "steps": np.int32, "history": np.int32, "history_is_output": np.bool_,
-           "min_tokens": np.int32, "banned_ids": np.int32}
-
-
-def _empty_column(name: str, size: int, sample, width: int, plans, sources) -> np.ndarray:
-    if name in ("history", "history_is_output"):
-        shape: tuple[int, ...] = (size, width)
-    elif name == "banned_ids":
-        shape = (size, max(getattr(plans[ref.round].sampling[ref.sub_batch], name).shape[1]
-                           for ref, _ in sources))
-    else:
-        shape = (size,)
-    return np.full(shape, _NEUTRAL[name], _DTYPES[name])
+    slots greedy and neutral. 2-D columns are as wide as the widest source sub-batch's."""
+    picks, slots = [], []
+    for (d, u, r), ref in rows.items():
+        picks.append((plans[ref.round].sampling[ref.sub_batch], ref.row))
+        slots.append((d * grid[1] + u) * grid[2] + r)
+    return scatter_rows(picks, slots, int(np.prod(grid)))
 
 
 def unit_results(schedule: PipelineSchedule, tokens: np.ndarray, logprobs: np.ndarray,

@@ -15,7 +15,7 @@ Invariants (asserted): all arrays int32; a row's new tokens sit at positions
 real page. With data parallelism each row belongs to one replica (`replicas`), and its page ids
 are that replica's own (every replica has its own pages 1..P-1 and its own dummy page 0).
 
-This module imports numpy only.
+This module imports numpy and `batching/sampling.py` only.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import dataclasses
 from typing import Sequence
 
 import numpy as np
+
+from meshserve.batching.sampling import SamplingArrays
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,55 +90,6 @@ def empty_sub_batch(rows: int, width: int, num_pages: int, *,
         tokens=zeros(rows, width), positions=zeros(rows, width), num_new=zeros(rows),
         kv_lens=zeros(rows), page_table=zeros(rows, num_pages),
         targets=zeros(rows, width) if with_targets else None,
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingArrays:
-    """Per-row sampling parameters of one sub-batch, as the device sampler reads them.
-
-    temperature 0 means greedy. top_k 0 means off. `seeds` and `steps` make a row's random draw a
-    function of (request seed, output index) only, so batch company never changes it. `history`
-    holds the ids of each row's prompt and output so far (padded with -1), for the penalties;
-    `history_is_output` marks which of them were generated.
-    """
-
-    temperature: np.ndarray  # [B] float32
-    top_k: np.ndarray  # [B] int32
-    top_p: np.ndarray  # [B] float32
-    min_p: np.ndarray  # [B] float32
-    repetition_penalty: np.ndarray  # [B] float32
-    presence_penalty: np.ndarray  # [B] float32
-    frequency_penalty: np.ndarray  # [B] float32
-    seeds: np.ndarray  # [B] uint32
-    steps: np.ndarray  # [B] int32, index of the output token being sampled
-    history: np.ndarray  # [B, H] int32, -1 = padding
-    history_is_output: np.ndarray  # [B, H] bool
-    min_tokens: np.ndarray | None = None  # [B] int32: banned_ids are masked below this count
-    banned_ids: np.ndarray | None = None  # [B, E] int32 EOS and stop ids, -1 = padding
-
-    def __post_init__(self):
-        rows = self.temperature.shape[0]
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            assert value is None or value.shape[0] == rows, field.name
-        assert self.history.shape == self.history_is_output.shape
-
-    @property
-    def num_rows(self) -> int:
-        return self.temperature.shape[0]
-
-
-def greedy_sampling(rows: int, history_width: int = 1) -> SamplingArrays:
-    """Greedy, penalty-free sampling for `rows` rows."""
-    zeros = lambda dtype: np.zeros(rows, dtype)  # noqa: E731
-    ones = lambda: np.ones(rows, np.float32)  # noqa: E731
-    return SamplingArrays(
-        temperature=zeros(np.float32), top_k=zeros(np.int32), top_p=ones(), min_p=zeros(np.float32),
-        repetition_penalty=ones(), presence_penalty=zeros(np.float32),
-        frequency_penalty=zeros(np.float32), seeds=zeros(np.uint32), steps=zeros(np.int32),
-        history=np.full((rows, history_width), -1, np.int32),
-        history_is_output=np.zeros((rows, history_width), bool),
     )
 
 

@@ -1,4 +1,4 @@
-"""Per-request sampling parameters, with vLLM's names and defaults.
+"""Per-request sampling parameters, with vLLM's names and defaults, and their per-row arrays.
 
 `SamplingParams` is user input: it is validated once, on construction, and every invalid value
 raises `ValueError` naming the field, the allowed range and the value given, so the serving layer
@@ -6,7 +6,13 @@ can pass the message straight back to the client. After construction the fields 
 floats are floats, `top_k` is 0 when off (-1 is accepted as off), and `stop` and
 `stop_token_ids` are tuples.
 
-This module is plain Python; it must not import jax or anything from meshserve's other packages.
+`SamplingArrays` are those parameters as the device sampler reads them, one row per plan row. Its
+fields are the one table of sampling columns (dtype, neutral value, padded width), and every
+host-side operation on them (greedy defaults, padding, concatenation, scattering rows into slots)
+is derived from that table.
+
+This module is plain Python and numpy; it must not import jax or anything from meshserve's other
+packages.
 """
 
 from __future__ import annotations
@@ -14,6 +20,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from typing import Mapping, Sequence
+
+import numpy as np
 
 MAX_LOGPROBS = 20  # most top logprobs a request may ask for, per token
 MAX_SEED = 2**32  # seeds are uint32 on the device
@@ -147,3 +156,129 @@ def _as_token_ids(name: str, ids) -> tuple[int, ...]:
         _require(_is_int(token) and token >= 0,
                  f"{name} must hold non-negative ints, got {token!r}")
     return tuple(int(token) for token in ids)
+
+
+# Per-row sampling arrays: the columns a step plan carries to the device sampler.
+
+@dataclasses.dataclass(frozen=True)
+class Column:
+    """How one sampling array is stored: its dtype, the value that makes a row (or a padding
+    column) neutral and greedy, which width its second axis pads to ("history", "banned"; None for
+    a [B] array), and whether it copies the `SamplingParams` field of the same name."""
+
+    dtype: type
+    neutral: float | int | bool
+    width: str | None = None
+    from_params: bool = False
+
+
+def _column(dtype: type, neutral, *, width: str | None = None, from_params: bool = False):
+    return dataclasses.field(metadata={"column": Column(dtype, neutral, width, from_params)})
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingArrays:
+    """Per-row sampling parameters of one sub-batch, as the device sampler reads them.
+
+    This class is the one table of sampling columns: greedy defaults, padding, concatenation and
+    the pipeline's gather all follow from its fields (`COLUMNS`), and `meshserve.model.sampler`
+    registers it as a pytree, so the same class holds the device arrays. A new sampling knob is a
+    `SamplingParams` field and one column here (`from_params=True`), plus the sampler code that
+    reads it.
+
+    temperature 0 means greedy. top_k 0 means off. `seeds` and `steps` make a row's random draw a
+    function of (request seed, output index) only, so batch company never changes it. `history`
+    holds the ids of each row's prompt and output so far (padded with -1), for the penalties;
+    `history_is_output` marks which of them were generated. While `steps < min_tokens` the row's
+    `banned_ids` (EOS and stop ids, padded with -1) are masked.
+    """
+
+    temperature: np.ndarray = _column(np.float32, 0.0, from_params=True)  # [B]
+    top_k: np.ndarray = _column(np.int32, 0, from_params=True)  # [B]
+    top_p: np.ndarray = _column(np.float32, 1.0, from_params=True)  # [B]
+    min_p: np.ndarray = _column(np.float32, 0.0, from_params=True)  # [B]
+    repetition_penalty: np.ndarray = _column(np.float32, 1.0, from_params=True)  # [B]
+    presence_penalty: np.ndarray = _column(np.float32, 0.0, from_params=True)  # [B]
+    frequency_penalty: np.ndarray = _column(np.float32, 0.0, from_params=True)  # [B]
+    seeds: np.ndarray = _column(np.uint32, 0)  # [B]
+    steps: np.ndarray = _column(np.int32, 0)  # [B] index of the output token being sampled
+    history: np.ndarray = _column(np.int32, -1, width="history")  # [B, H]
+    history_is_output: np.ndarray = _column(np.bool_, False, width="history")  # [B, H]
+    min_tokens: np.ndarray = _column(np.int32, 0, from_params=True)  # [B]
+    banned_ids: np.ndarray = _column(np.int32, -1, width="banned")  # [B, E]
+
+    def __post_init__(self):
+        rows = self.temperature.shape[0]
+        for name in COLUMNS:
+            assert getattr(self, name).shape[0] == rows, name
+        assert self.history.shape == self.history_is_output.shape
+
+    @property
+    def num_rows(self) -> int:
+        return self.temperature.shape[0]
+
+
+COLUMNS: dict[str, Column] = {field.name: field.metadata["column"]
+                              for field in dataclasses.fields(SamplingArrays)}
+
+
+def params_columns(params: Sequence[SamplingParams]) -> dict[str, np.ndarray]:
+    """The columns copied from each row's `SamplingParams`."""
+    return {name: np.array([getattr(p, name) for p in params], column.dtype)
+            for name, column in COLUMNS.items() if column.from_params}
+
+
+def greedy_sampling(rows: int, history_width: int = 1) -> SamplingArrays:
+    """Greedy, penalty-free sampling for `rows` rows, with no stop masking."""
+    widths = {"history": history_width, "banned": 1}
+    return SamplingArrays(**{
+        name: np.full((rows,) if c.width is None else (rows, widths[c.width]), c.neutral, c.dtype)
+        for name, c in COLUMNS.items()})
+
+
+def pad_sampling(arrays: SamplingArrays, *, rows: int | None = None,
+                 widths: Mapping[str, int | None] | None = None,
+                 index: np.ndarray | None = None) -> SamplingArrays:
+    """`arrays` with row i at row `index[i]` (default: in order) of `rows` rows, and each 2-D
+    column `widths[its width]` wide (default: as it is); the other rows and columns neutral."""
+    rows = arrays.num_rows if rows is None else rows
+    index = np.arange(arrays.num_rows) if index is None else index
+    padded = {}
+    for name, c in COLUMNS.items():
+        value = np.asarray(getattr(arrays, name))
+        if c.width is None:
+            padded[name] = np.full(rows, c.neutral, c.dtype)
+            padded[name][index] = value
+        else:
+            width = (widths or {}).get(c.width) or value.shape[1]
+            padded[name] = np.full((rows, width), c.neutral, c.dtype)
+            padded[name][index, :value.shape[1]] = value
+    return SamplingArrays(**padded)
+
+
+def concat_sampling(arrays: Sequence[SamplingArrays]) -> SamplingArrays:
+    """The rows of several sub-batches' arrays, in order, 2-D columns padded to the widest."""
+    merged = {}
+    for name, c in COLUMNS.items():
+        values = [np.asarray(getattr(a, name)) for a in arrays]
+        if c.width is not None:
+            width = max(v.shape[1] for v in values)
+            values = [np.pad(v, ((0, 0), (0, width - v.shape[1])), constant_values=c.neutral)
+                      for v in values]
+        merged[name] = np.concatenate(values).astype(c.dtype)
+    return SamplingArrays(**merged)
+
+
+def scatter_rows(picks: Sequence[tuple[SamplingArrays, int]], slots: Sequence[int],
+                 num_slots: int) -> SamplingArrays:
+    """Row `row` of `arrays` at slot `slots[i]`, for each pick i `(arrays, row)`, out of
+    `num_slots`; empty slots greedy and neutral, 2-D columns as wide as the widest source."""
+    rows = [take_rows(arrays, [row]) for arrays, row in picks]
+    merged = concat_sampling(rows) if rows else greedy_sampling(0)
+    return pad_sampling(merged, rows=num_slots, index=np.asarray(slots, np.int64))
+
+
+def take_rows(arrays: SamplingArrays, rows: Sequence[int]) -> SamplingArrays:
+    """Rows `rows` of `arrays`, in that order."""
+    return SamplingArrays(**{name: np.asarray(getattr(arrays, name))[list(rows)]
+                             for name in COLUMNS})

@@ -106,9 +106,9 @@ from meshserve.batching.config import (DEFAULT_KV_WATERMARK, ORDERINGS, POLICY_N
 from meshserve.batching.buckets import bucket_sizes, floor_bucket, pick_bucket, token_bucket_sizes
 from meshserve.batching.length import LengthPredictor, PriorPredictor, extract_features
 from meshserve.batching.pages import PageAllocator, num_pages_for
-from meshserve.batching.plan import SamplingArrays, StepPlan, SubBatchPlan, sub_batch_from_rows
+from meshserve.batching.plan import StepPlan, SubBatchPlan, sub_batch_from_rows
 from meshserve.batching.request import Request, RequestStatus
-from meshserve.batching.sampling import SamplingParams
+from meshserve.batching.sampling import COLUMNS, SamplingArrays, SamplingParams, params_columns
 
 @dataclasses.dataclass(frozen=True)
 class Row:
@@ -561,18 +561,12 @@ def sampling_arrays(rows: Sequence[Row], *, eos_token_ids: Sequence[int] = ()) -
     """Each row's sampling parameters, seed, output index, token history and stop ids."""
     requests = [row.request for row in rows]
     params = [r.params for r in requests]
-    column = lambda name, dtype: np.array([getattr(p, name) for p in params], dtype)  # noqa: E731
     history, is_output = _history(rows)
     return SamplingArrays(
-        temperature=column("temperature", np.float32), top_k=column("top_k", np.int32),
-        top_p=column("top_p", np.float32), min_p=column("min_p", np.float32),
-        repetition_penalty=column("repetition_penalty", np.float32),
-        presence_penalty=column("presence_penalty", np.float32),
-        frequency_penalty=column("frequency_penalty", np.float32),
-        seeds=np.array([r.seed for r in requests], np.uint32),
-        steps=np.array([len(r.output_token_ids) for r in requests], np.int32),
+        **params_columns(params),
+        seeds=np.array([r.seed for r in requests], COLUMNS["seeds"].dtype),
+        steps=np.array([len(r.output_token_ids) for r in requests], COLUMNS["steps"].dtype),
         history=history, history_is_output=is_output,
-        min_tokens=column("min_tokens", np.int32),
         banned_ids=_banned_ids(params, eos_token_ids),
     )
 

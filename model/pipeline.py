@@ -40,10 +40,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from meshserve.batching.pipeline import (DECODE, IDLE, PREFILL, PipelineSchedule, UnitShape,
                                          build_schedule, unit_results)
+from meshserve.batching.sampling import SamplingArrays
 from meshserve.model.attention import KVCache, SubBatch, init_kv_cache, paged_context
 from meshserve.model.runner import (DeviceLayout, PlanChannel, RunnerConfig, SampledRows,
                                     output_sharding, peer_errors, to_devices)
-from meshserve.model.sampler import DeviceSampling, Sampled, host_sampling, sample
+from meshserve.model.sampler import Sampled, host_sampling, sample
 from meshserve.model.transformer import RESIDUAL_AXES, apply_layers
 
 STAGE_AXIS = "stage"
@@ -57,8 +58,8 @@ class PipelineUnits:
     decode: SubBatch  # tokens [D, U, R, 1], page_table [D, U, R, M], ...
     decode_source: jax.Array  # [D, U, R] flat index into the fed-back tokens, or -1
     prefill: SubBatch  # tokens [D, U, 1, T], page_table [D, U, 1, M], ...
-    decode_sampling: DeviceSampling  # [D, U, R, ...]
-    prefill_sampling: DeviceSampling  # [D, U, 1, ...]
+    decode_sampling: SamplingArrays  # [D, U, R, ...]
+    prefill_sampling: SamplingArrays  # [D, U, 1, ...]
 
 
 class PipelineRunner:
@@ -151,8 +152,7 @@ class PipelineRunner:
                            page_table=s.prefill_pages[:, :, None])
 
         def sampling(arrays, rows):
-            flat = host_sampling(arrays, min_tokens=arrays.min_tokens, banned_ids=arrays.banned_ids,
-                                 history_width=history, banned_width=c.max_stop_ids)
+            flat = host_sampling(arrays, history_width=history, banned_width=c.max_stop_ids)
             return jax.tree.map(lambda a: a.reshape(D, U, rows, *a.shape[1:]), flat)
 
         return PipelineUnits(decode=decode, decode_source=s.decode_source, prefill=prefill,
@@ -218,7 +218,7 @@ def _pipeline_body(graphdef, params, cache: KVCache, kinds: jax.Array, units: Pi
         y, ctx = apply_layers(model, x[:n], sub.positions.reshape(-1), ctx, constrain)
         return padded(y), ctx.k, ctx.v
 
-    def sample_rows(logits, sampling: DeviceSampling) -> Sampled:
+    def sample_rows(logits, sampling: SamplingArrays) -> Sampled:
         # Whole rows on every device of the stage: sorting a vocabulary split over `model` would
         # exchange it by collective-permute, and XLA:CPU makes every device of the program meet
         # at a collective-permute, which the other stages (in other branches) never reach.

@@ -49,10 +49,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from meshserve.batching.buckets import bucket_sizes, pick_bucket
-from meshserve.batching.plan import SamplingArrays, SubBatchPlan, greedy_sampling
+from meshserve.batching.plan import SubBatchPlan
+from meshserve.batching.sampling import SamplingArrays, concat_sampling, greedy_sampling
 from meshserve.model.attention import (ATTENTION_BACKENDS, KVCache, RaggedBatch, SubBatch,
                                        default_backend, init_kv_cache)
-from meshserve.model.sampler import DeviceSampling, concat_sampling, host_sampling
+from meshserve.model.sampler import host_sampling
 from meshserve.model.steps import ragged_step
 
 _COMPILE_EVENT_PREFIX = "/jax/core/compile/"
@@ -154,7 +155,7 @@ class HostCall:
     results sit in its outputs."""
 
     key: tuple[int, int]  # (token slots per replica, has targets): the bucket
-    arrays: tuple[RaggedBatch, DeviceSampling]  # numpy leaves
+    arrays: tuple[RaggedBatch, SamplingArrays]  # numpy leaves
     seq_index: tuple[np.ndarray, ...]  # per sub-batch [B]: each row's sequence slot
     token_index: tuple[np.ndarray, ...]  # per sub-batch [B, W]: each row's token slots
 
@@ -255,8 +256,7 @@ class ModelRunner:
         compiled call reads."""
         key = self.step_key(sub_batches)
         batch, seq_index, token_index = self._flatten(sub_batches, *key)
-        if any(s.banned_ids is not None and s.banned_ids.shape[1] > self.config.max_stop_ids
-               for s in sampling):
+        if any(s.banned_ids.shape[1] > self.config.max_stop_ids for s in sampling):
             raise ValueError(f"more stop token ids than max_stop_ids={self.config.max_stop_ids}")
         index = np.concatenate(seq_index) if seq_index else np.zeros(0, np.int64)
         merged = concat_sampling(sampling) if sampling else greedy_sampling(0)
@@ -264,14 +264,14 @@ class ModelRunner:
         return HostCall(key=key, arrays=(batch, host), seq_index=seq_index,
                         token_index=token_index)
 
-    def template(self, key: tuple[int, ...]) -> tuple[RaggedBatch, DeviceSampling]:
+    def template(self, key: tuple[int, ...]) -> tuple[RaggedBatch, SamplingArrays]:
         """Zero host arrays shaped like those of any call with bucket `key` (see `host_call`)."""
         tokens, has_targets = key
         batch, _, _ = self._flatten((), tokens, has_targets)
         return batch, self._padded_sampling(greedy_sampling(0), tokens, np.zeros(0, np.int64))
 
     def _padded_sampling(self, merged: SamplingArrays, tokens: int,
-                         index: np.ndarray) -> DeviceSampling:
+                         index: np.ndarray) -> SamplingArrays:
         """`merged`'s rows at sequence slots `index` of a step of `tokens` slots per replica,
         every width fixed; the other slots greedy and neutral."""
         return host_sampling(merged, rows=self.config.num_seqs(tokens) * self.num_replicas,
@@ -279,7 +279,7 @@ class ModelRunner:
                              banned_width=self.config.max_stop_ids, index=index)
 
     def run_calls(self, keys: Sequence[tuple[int, ...]],
-                  arrays: Sequence[tuple[RaggedBatch, DeviceSampling]]) -> list:
+                  arrays: Sequence[tuple[RaggedBatch, SamplingArrays]]) -> list:
         """Dispatches one compiled call per entry of `arrays`; returns their device outputs.
 
         With a plan channel (multi-process, on process 0) the calls are first sent to the other

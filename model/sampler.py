@@ -1,8 +1,9 @@
 """The device sampler: per-row sampling of the next token from one sub-batch's logits.
 
-`sample` is a pure, jit-friendly function of `(logits [B, V], DeviceSampling)`. Every row carries
-its own parameters, so one call mixes greedy, temperature, top-k, top-p and min-p rows. The
-pipeline (vLLM's semantics):
+`sample` is a pure, jit-friendly function of `(logits [B, V], SamplingArrays)`: the plan's host
+type, registered here as a pytree, holding device arrays. Every row carries its own parameters,
+so one call mixes greedy, temperature, top-k, top-p and min-p rows. The pipeline (vLLM's
+semantics):
 
 1. Logprobs, of the chosen token and of the top-K, come from the raw model distribution:
    `log_softmax(logits)` before any penalty, mask, temperature or filter.
@@ -25,53 +26,32 @@ History and banned ids use -1 as padding; padding never touches a logit.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshserve.batching.plan import SamplingArrays
+from meshserve.batching.sampling import COLUMNS, SamplingArrays, pad_sampling
 
 _NEG_INF = float("-inf")
 _F32_MAX = float(np.finfo(np.float32).max)
 
-# Host dtype and the value that makes a padding row (or padding column) neutral and greedy.
-_FIELDS = {
-    "temperature": (np.float32, 0.0),
-    "top_k": (np.int32, 0),
-    "top_p": (np.float32, 1.0),
-    "min_p": (np.float32, 0.0),
-    "repetition_penalty": (np.float32, 1.0),
-    "presence_penalty": (np.float32, 0.0),
-    "frequency_penalty": (np.float32, 0.0),
-    "seeds": (np.uint32, 0),
-    "steps": (np.int32, 0),
-    "history": (np.int32, -1),
-    "history_is_output": (np.bool_, False),
-    "min_tokens": (np.int32, 0),
-    "banned_ids": (np.int32, -1),
-}
+# The host's `SamplingArrays` is the device type too: registered here as a pytree (batching/ stays
+# jax-free), so its one table of columns is the only list of sampling fields. Unflattening skips
+# the host shape checks of `__post_init__`: inside jax transformations the leaves may be tracers,
+# shardings or placeholders.
+def _unflatten_sampling(_, leaves) -> SamplingArrays:
+    arrays = object.__new__(SamplingArrays)
+    for name, leaf in zip(COLUMNS, leaves):
+        object.__setattr__(arrays, name, leaf)
+    return arrays
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class DeviceSampling:
-    """`SamplingArrays` on device, plus the stop masking of `min_tokens`."""
-
-    temperature: jax.Array  # [B] float32, <= 0 means greedy
-    top_k: jax.Array  # [B] int32, 0 means off
-    top_p: jax.Array  # [B] float32, >= 1 means off
-    min_p: jax.Array  # [B] float32, 0 means off
-    repetition_penalty: jax.Array  # [B] float32, 1 means off
-    presence_penalty: jax.Array  # [B] float32
-    frequency_penalty: jax.Array  # [B] float32
-    seeds: jax.Array  # [B] uint32
-    steps: jax.Array  # [B] int32, index of the output token being sampled
-    history: jax.Array  # [B, H] int32, -1 = padding
-    history_is_output: jax.Array  # [B, H] bool
-    min_tokens: jax.Array  # [B] int32, banned_ids are masked while steps < min_tokens
-    banned_ids: jax.Array  # [B, E] int32 (EOS and stop ids), -1 = padding
+jax.tree_util.register_pytree_with_keys(
+    SamplingArrays,
+    lambda a: ([(jax.tree_util.GetAttrKey(name), getattr(a, name)) for name in COLUMNS], None),
+    _unflatten_sampling,
+    lambda a: ([getattr(a, name) for name in COLUMNS], None))
 
 
 @jax.tree_util.register_dataclass
@@ -83,7 +63,7 @@ class Sampled:
     top_logprobs: jax.Array  # [B, K] float32
 
 
-def device_sampling(arrays: SamplingArrays, *, sharding=None, **padding) -> DeviceSampling:
+def device_sampling(arrays: SamplingArrays, *, sharding=None, **padding) -> SamplingArrays:
     """`host_sampling(arrays, **padding)` moved to device in one `device_put`."""
     return jax.device_put(host_sampling(arrays, **padding), sharding)
 
@@ -91,60 +71,22 @@ def device_sampling(arrays: SamplingArrays, *, sharding=None, **padding) -> Devi
 def host_sampling(arrays: SamplingArrays, *, min_tokens: np.ndarray | None = None,
                   banned_ids: np.ndarray | None = None, rows: int | None = None,
                   history_width: int | None = None, banned_width: int | None = None,
-                  index: np.ndarray | None = None) -> DeviceSampling:
-    """`arrays` as a `DeviceSampling` of numpy arrays, padded to fixed shapes when asked.
+                  index: np.ndarray | None = None) -> SamplingArrays:
+    """`arrays` padded to fixed shapes when asked (`pad_sampling`), every column in its dtype.
 
-    `min_tokens` and `banned_ids`, when given, replace those of `arrays`; where neither has them
-    they default to 0 and one column of -1 (no stop masking). `rows`, `history_width` and
-    `banned_width` pad to those sizes (so compiled shapes stay bucketed) with neutral greedy rows
-    and -1 columns. Row i goes to padded row `index[i]` (default: in order).
+    `min_tokens` and `banned_ids`, when given, replace those of `arrays`. `rows`,
+    `history_width` and `banned_width` pad to those sizes (so compiled shapes stay bucketed) with
+    neutral greedy rows and -1 columns. Row i goes to padded row `index[i]` (default: in order).
     """
-    num_rows = arrays.num_rows
-    host = {f.name: getattr(arrays, f.name) for f in dataclasses.fields(arrays)}
-    if min_tokens is not None:
-        host["min_tokens"] = min_tokens
-    if banned_ids is not None:
-        host["banned_ids"] = banned_ids
-    if host.get("min_tokens") is None:
-        host["min_tokens"] = np.zeros(num_rows)
-    if host.get("banned_ids") is None:
-        host["banned_ids"] = np.full((num_rows, 1), -1)
-    widths = {"history": history_width, "history_is_output": history_width,
-              "banned_ids": banned_width}
-    index = np.arange(num_rows) if index is None else index
-    padded = {name: _pad(np.asarray(value), name, rows or num_rows, widths.get(name), index)
-              for name, value in host.items()}
-    return DeviceSampling(**padded)
+    overrides = {name: np.asarray(value) for name, value in (("min_tokens", min_tokens),
+                                                              ("banned_ids", banned_ids))
+                 if value is not None}
+    arrays = dataclasses.replace(arrays, **overrides) if overrides else arrays
+    return pad_sampling(arrays, rows=rows, index=index,
+                        widths={"history": history_width, "banned": banned_width})
 
 
-def concat_sampling(arrays: Sequence[SamplingArrays]) -> SamplingArrays:
-    """The rows of several sub-batches' sampling arrays, in order, widths padded to the widest
-    with the neutral value of each field."""
-    hosts = [host_sampling(a) for a in arrays]
-    merged = {}
-    for name, (dtype, fill) in _FIELDS.items():
-        values = [np.asarray(getattr(h, name)) for h in hosts]
-        if values[0].ndim == 2:
-            width = max(v.shape[1] for v in values)
-            values = [np.pad(v, ((0, 0), (0, width - v.shape[1])), constant_values=fill)
-                      for v in values]
-        merged[name] = np.concatenate(values).astype(dtype)
-    return SamplingArrays(**merged)
-
-
-def _pad(value: np.ndarray, name: str, rows: int, width: int | None,
-         index: np.ndarray) -> np.ndarray:
-    dtype, fill = _FIELDS[name]
-    shape = (rows,) if value.ndim == 1 else (rows, width or value.shape[1])
-    out = np.full(shape, fill, dtype)
-    if value.ndim == 1:
-        out[index] = value
-    else:
-        out[index, :value.shape[1]] = value
-    return out
-
-
-def sample(logits: jax.Array, s: DeviceSampling, *, num_top_logprobs: int = 0,
+def sample(logits: jax.Array, s: SamplingArrays, *, num_top_logprobs: int = 0,
            replica_axes: tuple[str, ...] = ()) -> Sampled:
     """Samples one token per row of `logits` [B, V] (float32); K = `num_top_logprobs` is static.
 
@@ -197,7 +139,7 @@ def token_counts(ids: jax.Array, weights: jax.Array, vocab_size: int) -> jax.Arr
     return counts.at[rows, safe].add(1, mode="drop")
 
 
-def apply_penalties(logits: jax.Array, s: DeviceSampling) -> jax.Array:
+def apply_penalties(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     """Repetition (prompt and output), then frequency and presence (output only) penalties."""
     vocab_size = logits.shape[-1]
     seen = token_counts(s.history, jnp.ones_like(s.history_is_output), vocab_size) > 0  # [B, V]
@@ -210,7 +152,7 @@ def apply_penalties(logits: jax.Array, s: DeviceSampling) -> jax.Array:
     return jnp.minimum(penalised, _F32_MAX)  # a penalty below 1 must not overflow to +inf
 
 
-def mask_banned(logits: jax.Array, s: DeviceSampling) -> jax.Array:
+def mask_banned(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     """-inf at `banned_ids` for rows with `steps < min_tokens`; a row is never masked whole."""
     vocab_size = logits.shape[-1]
     active = (s.steps < s.min_tokens)[:, None]  # [B, 1]
@@ -261,7 +203,7 @@ def min_p_threshold(sorted_logits: jax.Array, min_p: jax.Array) -> jax.Array:
     return sorted_logits[:, 0] + jnp.log(jnp.maximum(min_p, 0.0))
 
 
-def apply_filters(scaled: jax.Array, s: DeviceSampling) -> jax.Array:
+def apply_filters(scaled: jax.Array, s: SamplingArrays) -> jax.Array:
     """Top-k, then top-p over the top-k survivors, then min-p; the rest become -inf.
 
     One descending sort serves all three; each yields a per-row logit threshold, and a token is

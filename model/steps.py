@@ -24,9 +24,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from meshserve.batching.sampling import SamplingArrays
 from meshserve.model.attention import (KVCache, RaggedBatch, SubBatch, dense_context,
                                        paged_context, ragged_context)
-from meshserve.model.sampler import DeviceSampling, Sampled, sample
+from meshserve.model.sampler import Sampled, sample
 from meshserve.model.transformer import run_layers
 
 
@@ -82,7 +83,7 @@ def _sub_batch_output(model, hidden: jax.Array, b: SubBatch, num_top: int) -> Su
 
 
 def sample_step(graphdef: nnx.GraphDef, params: nnx.State, cache: KVCache,
-                batches: tuple[SubBatch, ...], samplings: tuple[DeviceSampling, ...], *,
+                batches: tuple[SubBatch, ...], samplings: tuple[SamplingArrays, ...], *,
                 num_top_logprobs: int, constrain=None, replica_axes: tuple[str, ...] = ()
                 ) -> tuple[tuple[StepOutput, ...], KVCache]:
     """forward_step, then each row's token sampled on device with its own parameters.
@@ -122,7 +123,7 @@ class RaggedOutput:
 
 
 def ragged_step(graphdef: nnx.GraphDef, params: nnx.State, cache: KVCache, batch: RaggedBatch,
-                sampling: DeviceSampling, *, num_top_logprobs: int, attention: str,
+                sampling: SamplingArrays, *, num_top_logprobs: int, attention: str,
                 block_pages: int, constrain=None, replica_axes: tuple[str, ...] = ()
                 ) -> tuple[RaggedOutput, KVCache]:
     """One serving step over a flat batch of tokens against the paged cache, then each

@@ -13,8 +13,8 @@ import jax
 import numpy as np
 import pytest
 
-from meshserve.batching.plan import greedy_sampling
-from meshserve.model.sampler import DeviceSampling, apply_penalties, device_sampling, sample
+from meshserve.batching.sampling import SamplingArrays, greedy_sampling
+from meshserve.model.sampler import apply_penalties, device_sampling, sample
 
 _SAMPLE = jax.jit(sample, static_argnames="num_top_logprobs")
 _PENALISE = jax.jit(apply_penalties)
@@ -24,7 +24,7 @@ _ORDER = np.array([2, 0, 3, 1])  # token ids of the nucleus probabilities, most 
 
 
 def _sampling(rows: int, *, history=None, history_is_output=None, min_tokens=None,
-              banned_ids=None, **fields) -> DeviceSampling:
+              banned_ids=None, **fields) -> SamplingArrays:
     base = greedy_sampling(rows)
     updates = {name: np.broadcast_to(np.asarray(value, getattr(base, name).dtype), (rows,)).copy()
                for name, value in fields.items()}
@@ -35,7 +35,7 @@ def _sampling(rows: int, *, history=None, history_is_output=None, min_tokens=Non
                            banned_ids=banned_ids, history_width=8, banned_width=4)
 
 
-def _run(logits, s: DeviceSampling, k: int = 5):
+def _run(logits, s: SamplingArrays, k: int = 5):
     logits = np.asarray(logits, np.float32)
     k = min(k, logits.shape[-1])
     return jax.device_get(_SAMPLE(logits, s, num_top_logprobs=k))
