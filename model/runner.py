@@ -3,7 +3,7 @@
 It owns the weights, the KV cache and the jitted step. Every sub-batch of a plan (prefill chunks,
 decodes, or both) is flattened into one `RaggedBatch`: the real new tokens back to back, padded
 only to a token bucket T (powers of two up to `max_num_batched_tokens`), with S = min(T,
-`max_rows`) sequence slots. So the compiled set is one program per token bucket, plus one per
+`max_num_seqs`) sequence slots. So the compiled set is one program per token bucket, plus one per
 bucket of at least `MIN_TARGET_TOKENS` for steps that return prompt logprobs: at most 16 for the
 default config, whatever the mix of prompt lengths, contexts and batch sizes. The page table
 always has its full width; attention reads only the pages the step's contexts need
@@ -22,7 +22,7 @@ replica's tokens sit in block r of the token slots and its sequences in block r 
 slots, every block padded to the same bucket; sequence and token indices inside a block are local
 to it, and page ids are local to the row's replica (each replica has its own dummy page 0).
 Without a layout the step runs on the default device. Knobs that change compiled shapes (and so
-cost a compile each): `max_num_batched_tokens`, `max_rows`, `num_pages`, `page_size`,
+cost a compile each): `max_num_batched_tokens`, `max_num_seqs`, `num_pages`, `page_size`,
 `max_pages_per_seq`, `max_logprobs`, `max_stop_ids`, `attention` and `context_block_pages`.
 
 Several processes (`meshserve.serving.multihost`): `execute` is split into `host_call` (the
@@ -48,6 +48,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
+from meshserve.batching.config import SchedulingKnobs, knob, same_knob
 from meshserve.batching.buckets import bucket_sizes, pick_bucket
 from meshserve.batching.plan import SubBatchPlan
 from meshserve.batching.sampling import SamplingArrays, concat_sampling, greedy_sampling
@@ -70,14 +71,16 @@ ATTENTION_CHOICES = ("auto", *ATTENTION_BACKENDS)
 class RunnerConfig:
     """Cache geometry and the largest step. Every field changes the compiled programs."""
 
-    num_pages: int = 512
-    page_size: int = 16
-    max_rows: int = 16  # sequences per step
-    max_num_batched_tokens: int = 512  # token slots per step: the widest token bucket
+    num_pages: int = same_knob(SchedulingKnobs, "num_pages")
+    page_size: int = same_knob(SchedulingKnobs, "page_size")
+    max_num_seqs: int = same_knob(SchedulingKnobs, "max_num_seqs")  # sequence slots per step
+    max_num_batched_tokens: int = same_knob(SchedulingKnobs, "max_num_batched_tokens")
     max_pages_per_seq: int = 128  # context per sequence = max_pages_per_seq * page_size
-    max_logprobs: int = 20  # top-K logprobs computed every step
+    max_logprobs: int = knob(20, "top logprobs computed every step", compile=True)
     max_stop_ids: int = 16  # EOS and stop token ids masked per row under min_tokens
-    attention: str = "auto"  # attention backend: "auto" (by platform), "jnp" or "pallas-gpu"
+    attention: str = knob("auto", "attention backend: auto picks by platform (jnp on CPU, "
+                                  "pallas-gpu on NVIDIA GPUs); jnp is the portable reference",
+                          compile=True, choices=ATTENTION_CHOICES)
     context_block_pages: int = 8  # pages of cached context attention reads per loop iteration
 
     def __post_init__(self):
@@ -90,9 +93,10 @@ class RunnerConfig:
                 raise ValueError(f"{field.name} must be >= 1, got {value}")
         if self.num_pages < 2:
             raise ValueError("num_pages must be >= 2: page 0 is the reserved dummy page")
-        if self.max_num_batched_tokens < self.max_rows:
+        if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                             f"max_rows ({self.max_rows}): every sequence needs a token slot")
+                             f"max_num_seqs ({self.max_num_seqs}): every sequence needs a token "
+                             "slot")
 
     @property
     def token_buckets(self) -> tuple[int, ...]:
@@ -121,7 +125,7 @@ class RunnerConfig:
 
     def num_seqs(self, num_tokens: int) -> int:
         """Sequence slots of a step with `num_tokens` token slots: every sequence has a token."""
-        return min(num_tokens, self.max_rows)
+        return min(num_tokens, self.max_num_seqs)
 
     def backend(self) -> str:
         """The attention backend, with "auto" settled against the default JAX platform."""
@@ -182,7 +186,7 @@ class SampledRows:
 
 
 class ModelRunner:
-    """`config.num_pages`, `config.max_rows` and `config.max_num_batched_tokens` are per
+    """`config.num_pages`, `config.max_num_seqs` and `config.max_num_batched_tokens` are per
     replica."""
 
     def __init__(self, model: nnx.Module, config: RunnerConfig = RunnerConfig(),

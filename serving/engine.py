@@ -5,8 +5,8 @@
              return self._update(plan, results)  # host: tokens, text, stops, outputs
 
 The engine owns detokenization and stop strings; the scheduler owns token-level stops, pages and
-preemption. `EngineConfig` is the one source of truth for both: it derives the `RunnerConfig` and
-the `SchedulerConfig`, so a knob is declared once.
+preemption. `EngineConfig` (`meshserve.serving.config`) holds every knob once and derives the
+`RunnerConfig` and the `SchedulerConfig` from them.
 
 Text of a running request never ends in a partial stop string: the last `len(longest stop) - 1`
 characters are held back until they can no longer start one.
@@ -20,168 +20,28 @@ import dataclasses
 import itertools
 import sys
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from meshserve.batching.buckets import token_bucket_sizes
-from meshserve.batching.pipeline import (PLACEHOLDER, PipelineSchedule, UnitShape,
-                                         build_schedule)
+from meshserve.batching.pipeline import PLACEHOLDER, PipelineSchedule, build_schedule
 from meshserve.batching.plan import StepPlan
 from meshserve.batching.request import Request, RequestStatus
 from meshserve.batching.sampling import SamplingParams
-from meshserve.batching.scheduler import (DEFAULT_KV_WATERMARK, ORDERINGS, Scheduler,
-                                          SchedulerConfig, stop_status_at)
+from meshserve.batching.scheduler import Scheduler, stop_status_at
 from meshserve.model.hub import cache_root
-from meshserve.model.length_predictor import LearnedPredictor
-from meshserve.model.runner import (ATTENTION_CHOICES, CompileCounter, ModelRunner,
-                                    RunnerConfig, SampledRows, enable_compilation_cache)
+from meshserve.model.runner import (CompileCounter, ModelRunner, SampledRows,
+                                    enable_compilation_cache)
 from meshserve.model.pipeline import PipelineRunner
 from meshserve.model.tokenizer import IncrementalDecoder, Tokenizer, is_valid_unicode
+from meshserve.serving.config import EngineConfig
 from meshserve.serving.multihost import payload_sizes
 from meshserve.serving.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from meshserve.sharding.layout import prepare
-from meshserve.sharding.mesh import MeshConfig
 
-POLICIES = ("continuous", "static")
-DEFAULT_MAX_MODEL_LEN = 2048
 MAX_REQUEST_ID_BYTES = 256  # a request id is echoed in every streamed message
 MAX_STOP_STRINGS = 64  # each step searches new text for each stop string of each request
 MAX_STOP_STRING_CHARS = 1024  # and holds back len(longest) - 1 characters while streaming
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class EngineConfig:
-    """Engine knobs. Those marked (compile) change compiled shapes; the rest are host policy.
-
-    With data parallelism (`mesh` with data > 1) `num_pages`, `max_num_seqs` and
-    `max_num_batched_tokens` are per replica: each replica is one engine's worth of rows and pages.
-    """
-
-    mesh: str | MeshConfig | None = None  # (compile) "data=D,stage=S,model=M" or a MeshConfig;
-    # None: one device. Stored as the canonical string.
-    num_pages: int = 512  # (compile) KV pages, page 0 reserved
-    page_size: int = 16  # (compile) tokens per page
-    max_num_seqs: int = 16  # (compile) running sequences, and rows per sub-batch
-    max_num_batched_tokens: int = 512  # new tokens per step, all requests together
-    prefill_chunk: int = 256  # (compile) longest prompt chunk per row per step
-    max_model_len: int | None = None  # (compile) prompt + output per request; None: the
-    # model's context, at most DEFAULT_MAX_MODEL_LEN
-    policy: str = "continuous"  # "continuous" or the "static" baseline
-    enable_prefix_caching: bool = True  # share computed full prompt pages between requests with
-    # the same prefix (continuous policy; static never caches)
-    kv_watermark: float = DEFAULT_KV_WATERMARK  # fraction of pages admission keeps available
-    # for running requests' growth, so preemption stays rare
-    ordering: str = "fcfs"  # "fcfs", or "predicted": shortest predicted output first (with
-    # aging), pages kept for predicted growth, static batches grouped by predicted length
-    length_predictor: str | None = None  # "predicted": a saved predictor (.npz) to start from;
-    # None starts from the prior. Either way it keeps learning from finished requests.
-    max_logprobs: int = 20  # (compile) top logprobs computed each step
-    attention: str = "auto"  # (compile) attention backend: "auto" picks by platform ("jnp" on
-    # CPU, "pallas-gpu" on NVIDIA GPUs); "jnp" is the portable reference everywhere
-    pipeline_rounds: int = 4  # (compile) steps one pipeline call runs before the host steps in
-    # (stage > 1 only; 1 for any call with a penalty, which needs every token on the host)
-    bubble_filling: bool = True  # stage > 1: overlap rounds and fill idle stage slots with
-    # prefill chunks; off: every round fills and drains the pipeline (the plain schedule)
-    warmup: bool = True  # compile every bucket at start
-    compilation_cache: bool = True  # keep compiled programs in <cache dir>/xla across runs
-    # (a process-wide JAX setting: once on, it stays on for every engine in the process)
-
-    def __post_init__(self):
-        object.__setattr__(self, "mesh", str(MeshConfig.coerce(self.mesh)))
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.ordering not in ORDERINGS:
-            raise ValueError(f"ordering must be one of {ORDERINGS}, got {self.ordering!r}")
-        if self.length_predictor is not None and self.ordering != "predicted":
-            raise ValueError("length_predictor is used only with ordering='predicted'")
-        self._check_watermark()
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if isinstance(value, int) and not isinstance(value, bool) and value < 1:
-                raise ValueError(f"{field.name} must be >= 1, got {value}")
-        if self.prefill_chunk > self.max_num_batched_tokens:
-            raise ValueError(f"prefill_chunk ({self.prefill_chunk}) must not exceed "
-                             f"max_num_batched_tokens ({self.max_num_batched_tokens})")
-        if self.attention not in ATTENTION_CHOICES:
-            raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got "
-                             f"{self.attention!r}")
-
-    def _check_watermark(self) -> None:
-        """A fraction, stored as a float so that 0 is not taken for a count below 1."""
-        value = self.kv_watermark
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-            raise ValueError(f"kv_watermark must be a fraction in [0, 1), got {value!r}")
-        object.__setattr__(self, "kv_watermark", float(value))
-
-    @property
-    def mesh_config(self) -> MeshConfig:
-        return MeshConfig.parse(self.mesh)
-
-    def for_model(self, model_config) -> "EngineConfig":
-        """This config with `max_model_len` settled against the model's context."""
-        context = model_config.max_position_embeddings
-        if self.max_model_len is None:
-            return dataclasses.replace(self, max_model_len=min(context, DEFAULT_MAX_MODEL_LEN))
-        if self.max_model_len > context:
-            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's context "
-                             f"of {context} positions")
-        return self
-
-    def runner_config(self) -> RunnerConfig:
-        assert self.max_model_len is not None, "call for_model() first"
-        return RunnerConfig(num_pages=self.num_pages, page_size=self.page_size,
-                            max_rows=self.max_num_seqs,
-                            max_num_batched_tokens=self.max_num_batched_tokens,
-                            max_pages_per_seq=-(-self.max_model_len // self.page_size),
-                            max_logprobs=self.max_logprobs, attention=self.attention)
-
-    def unit_shape(self) -> UnitShape:
-        """The shapes of a pipeline call: S decode lanes of ceil(max_num_seqs / S) rows, prefill
-        units as wide as `prefill_chunk`, and room for `pipeline_rounds` rounds."""
-        mesh = self.mesh_config
-        stages = mesh.stage
-        return UnitShape(num_stages=stages, num_replicas=mesh.data,
-                         num_units=self.pipeline_rounds * self.units_per_round(),
-                         decode_rows=-(-self.max_num_seqs // stages),
-                         prefill_tokens=self.prefill_chunk,
-                         max_pages=-(-self.max_model_len // self.page_size))
-
-    def units_per_round(self) -> int:
-        """The most units one round can take: a prefill unit per row, the lanes, a drain and
-        the idle units the feedback rule may put in."""
-        stages = self.mesh_config.stage
-        return self.max_num_seqs + stages + 2 * (stages - 1)
-
-    def scheduler_config(self, eos_token_ids: Sequence[int], *,
-                         num_replicas: int = 1) -> SchedulerConfig:
-        return SchedulerConfig(
-            num_pages=self.num_pages, page_size=self.page_size, max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens, prefill_chunk=self.prefill_chunk,
-            max_model_len=self.max_model_len, policy=self.policy,
-            **self._chunking(),
-            eos_token_ids=tuple(eos_token_ids), num_replicas=num_replicas,
-            enable_prefix_caching=self.enable_prefix_caching, kv_watermark=self.kv_watermark,
-            ordering=self.ordering)
-
-    def _chunking(self) -> dict[str, Any]:
-        """How the scheduler cuts prefill chunks for this engine's runner. The ragged step pads
-        only a step's total, so a chunk is cut to land the step on the nearer token bucket and
-        never to a per-chunk bucket. A pipeline's units are prefill_chunk wide: chunks are cut to
-        token buckets, and a padded sub-batch stays within the budget."""
-        if self.mesh_config.stage > 1:
-            return dict(token_buckets=token_bucket_sizes(self.prefill_chunk),
-                        bound_padded_prefill=True)
-        return dict(token_buckets=(self.prefill_chunk,), bound_padded_prefill=False,
-                    step_buckets=self.runner_config().token_buckets)
-
-    def make_length_predictor(self) -> LearnedPredictor | None:
-        """The predictor "predicted" ordering uses: loaded from `length_predictor`, or new."""
-        if self.ordering != "predicted":
-            return None
-        if self.length_predictor is None:
-            return LearnedPredictor()
-        return LearnedPredictor.load(self.length_predictor)
 
 
 @dataclasses.dataclass

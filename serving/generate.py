@@ -78,8 +78,9 @@ def _check_fits(runner: ModelRunner, prompts, max_new_tokens: int) -> None:
     c = runner.config
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    if len(prompts) > c.max_rows:
-        raise ValueError(f"{len(prompts)} prompts exceed max_rows={c.max_rows}")
+    if len(prompts) > c.max_num_seqs:
+        raise ValueError(f"{len(prompts)} prompts exceed max_rows, the runner's "
+                         f"max_num_seqs={c.max_num_seqs}")
     longest = max(len(p) for p in prompts) + max_new_tokens
     if longest > c.max_pages_per_seq * c.page_size:
         raise ValueError(f"prompt + max_new_tokens = {longest} tokens exceeds the context of "

@@ -49,6 +49,7 @@ import jax
 import numpy as np
 
 from meshserve.batching import wire
+from meshserve.batching.config import knob
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +67,13 @@ class ClusterConfig:
     `num_processes` and `process_id` None to let `jax.distributed.initialize` read them from
     the cluster's environment (SLURM, Open MPI, Kubernetes, Cloud TPU)."""
 
-    coordinator: str | None = None  # HOST:PORT where process 0 runs the coordination service
-    num_processes: int | None = None
-    process_id: int | None = None
-    peer_timeout: float = DEFAULT_PEER_TIMEOUT  # seconds a silent process is waited for
-    initialization_timeout: int = 300  # seconds to wait for every process to join
+    coordinator: str | None = knob(None, "where process 0 runs JAX's coordination service",
+                                   metavar="HOST:PORT")
+    num_processes: int | None = knob(None, "processes in the job, one per host")
+    process_id: int | None = knob(None, "this process's id, 0 to num_processes - 1")
+    peer_timeout: float = knob(DEFAULT_PEER_TIMEOUT, "seconds a silent process is waited for "
+                                                     "before the job fails")
+    initialization_timeout: int = knob(300, "seconds to wait for every process to join")
 
     def __post_init__(self):
         if self.coordinator is not None:

@@ -55,6 +55,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from google.protobuf.message import DecodeError
 from grpc_reflection.v1alpha import reflection
 
+from meshserve.batching.config import knob
 from meshserve.batching.request import RequestStatus
 from meshserve.batching.sampling import SamplingParams
 from meshserve.serving.api import generation_pb2 as pb
@@ -74,20 +75,23 @@ _SERVED_LOCK = threading.Lock()
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServerConfig:
-    host: str = "127.0.0.1"  # bind address; 0.0.0.0 to serve other machines
-    port: int = 50051  # 0 picks a free port
-    api_key: str | None = None  # require `authorization: Bearer <key>` on Generation
-    api_key_file: str | None = None  # read the key from this file instead
-    tls_cert: str | None = None  # PEM certificate chain; with tls_key, serve TLS only
-    tls_key: str | None = None  # PEM private key
-    max_queued_requests: int = 256  # waiting requests before RESOURCE_EXHAUSTED
-    max_queued_prompt_tokens: int = 262144  # waiting prompt tokens before RESOURCE_EXHAUSTED
-    max_queue_time: float | None = None  # seconds a request may wait before DEADLINE_EXCEEDED
-    max_prompt_tokens: int | None = None  # None: the engine's max_model_len - 1
-    max_message_bytes: int = 4 << 20  # largest request message
-    max_concurrent_streams: int = 512  # RPC handler threads
-    drain_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
-    metrics_port: int | None = None  # serve Prometheus /metrics here
+    host: str = knob("127.0.0.1", "bind address; 0.0.0.0 to serve other machines")
+    port: int = knob(50051, "port; 0 picks a free one")
+    api_key: str | None = knob(None, "require `authorization: Bearer <key>` on Generation")
+    api_key_file: str | None = knob(None, "read the api key from this file instead")
+    tls_cert: str | None = knob(None, "PEM certificate chain; with --tls-key, serve TLS only")
+    tls_key: str | None = knob(None, "PEM private key")
+    max_queued_requests: int = knob(256, "waiting requests before RESOURCE_EXHAUSTED")
+    max_queued_prompt_tokens: int = knob(262144, "waiting prompt tokens before "
+                                                 "RESOURCE_EXHAUSTED")
+    max_queue_time: float | None = knob(None, "seconds a request may wait before "
+                                              "DEADLINE_EXCEEDED; unset: no limit")
+    max_prompt_tokens: int | None = knob(None, "longest prompt accepted; unset: the engine's "
+                                               "max_model_len - 1")
+    max_message_bytes: int = knob(4 << 20, "largest request message")
+    max_concurrent_streams: int = knob(512, "RPC handler threads")
+    drain_timeout: float = knob(30.0, "seconds in-flight requests get after SIGTERM")
+    metrics_port: int | None = knob(None, "serve Prometheus /metrics on this port")
 
     def __post_init__(self):
         if (self.tls_cert is None) != (self.tls_key is None):

@@ -412,7 +412,7 @@ def decode_runner(model, *, max_batch: int, context: int, page_size: int,
     pages_each = -(-(context + 1) // page_size)
     rows_per_replica = -(-max_batch // replicas)
     return ModelRunner(model, RunnerConfig(
-        max_rows=rows_per_replica, num_pages=1 + rows_per_replica * pages_each,
+        max_num_seqs=rows_per_replica, num_pages=1 + rows_per_replica * pages_each,
         page_size=page_size, max_pages_per_seq=pages_each,
         max_num_batched_tokens=rows_per_replica), layout)
 

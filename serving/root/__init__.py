@@ -7,7 +7,7 @@ loaded on first use, so `import meshserve.batching` stays free of jax.
 _EXPORTS = {
     "LLM": "meshserve.serving.llm",
     "SamplingParams": "meshserve.batching.sampling",
-    "EngineConfig": "meshserve.serving.engine",
+    "EngineConfig": "meshserve.serving.config",
     "RequestOutput": "meshserve.serving.outputs",
     "CompletionOutput": "meshserve.serving.outputs",
 }

@@ -63,7 +63,7 @@ def test_smollm2_greedy_matches_hf(smollm2_pretrained, smollm2_golden):
     num_new = smollm2_golden["num_new_tokens"]
     assert len(cases) >= 6 and max(len(c["prompt_ids"]) for c in cases) > 1000
     runner = ModelRunner(smollm2_pretrained.model, RunnerConfig(
-        num_pages=160, page_size=16, max_rows=len(cases), max_num_batched_tokens=512,
+        num_pages=160, page_size=16, max_num_seqs=len(cases), max_num_batched_tokens=512,
         max_pages_per_seq=96))
     rows = generate_greedy(runner, [c["prompt_ids"] for c in cases], max_new_tokens=num_new)
     for case, row in zip(cases, rows):
@@ -81,7 +81,7 @@ def test_smollm2_bfloat16_tracks_hf(smollm2_files, smollm2_golden):
     cases = smollm2_golden["cases"]
     model = load_pretrained(str(smollm2_files.path), dtype="bfloat16").model
     runner = ModelRunner(model, RunnerConfig(
-        num_pages=160, page_size=16, max_rows=len(cases), max_num_batched_tokens=512,
+        num_pages=160, page_size=16, max_num_seqs=len(cases), max_num_batched_tokens=512,
         max_pages_per_seq=96))
     rows = generate_greedy(runner, [c["prompt_ids"] for c in cases],
                            max_new_tokens=smollm2_golden["num_new_tokens"])

@@ -77,7 +77,7 @@ def test_prompt_logprobs_match_dense_log_softmax():
 def test_runner_compiles_one_program_per_token_bucket():
     """Rows, prompt widths and context lengths never cost a compile: only the token bucket."""
     runner = ModelRunner(_model("tiny-llama"), RunnerConfig(
-        num_pages=32, page_size=4, max_rows=4, max_num_batched_tokens=32, max_pages_per_seq=8))
+        num_pages=32, page_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_pages_per_seq=8))
     assert runner.config.token_buckets == (1, 2, 4, 8, 16, 32)
     assert runner.config.step_keys() == [(t, 0) for t in (1, 2, 4, 8, 16, 32)] + [
         (16, 1), (32, 1)]
@@ -100,7 +100,7 @@ def test_padding_and_company_do_not_disturb_a_row():
     """A row's token and logprob are the same alone, in a wider bucket, beside other rows, and
     as a lockstep row padded to a wider sub-batch (the static baseline)."""
     model = _model("tiny-llama")
-    config = RunnerConfig(num_pages=16, page_size=4, max_rows=8, max_num_batched_tokens=16,
+    config = RunnerConfig(num_pages=16, page_size=4, max_num_seqs=8, max_num_batched_tokens=16,
                           max_pages_per_seq=4)
     alone, padded = ModelRunner(model, config), ModelRunner(model, config)
     rows = [([5, 6, 7], 0, [2, 3])]

@@ -14,7 +14,7 @@ from tests.conftest import random_params
 def runner():
     config = ModelConfig.preset("tiny-llama")
     return ModelRunner(model_from_params(config, random_params(config)), RunnerConfig(
-        num_pages=24, page_size=4, max_rows=4, max_num_batched_tokens=8, max_pages_per_seq=8))
+        num_pages=24, page_size=4, max_num_seqs=4, max_num_batched_tokens=8, max_pages_per_seq=8))
 
 
 def test_batched_rows_equal_rows_run_alone(runner):

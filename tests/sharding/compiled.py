@@ -20,7 +20,7 @@ from meshserve.sharding.rules import DEFAULT_RULES, ShardingRules
 from tests.conftest import random_params
 
 ROWS, PAGES = 4, 4  # the steps compiled below: 4 sequences per replica, 4 pages per sequence
-RUNNER_CONFIG = RunnerConfig(num_pages=16, page_size=8, max_rows=ROWS,
+RUNNER_CONFIG = RunnerConfig(num_pages=16, page_size=8, max_num_seqs=ROWS,
                              max_num_batched_tokens=ROWS * 16, max_pages_per_seq=PAGES,
                              max_logprobs=4)
 RULES = {"default": DEFAULT_RULES, "ffw-replicated": ShardingRules({**DEFAULT_RULES.table,

@@ -250,7 +250,7 @@ def _param_specs(layout) -> dict[str, P]:
 
 
 def _runner_config() -> RunnerConfig:
-    return RunnerConfig(num_pages=16, page_size=8, max_rows=4, max_num_batched_tokens=16,
+    return RunnerConfig(num_pages=16, page_size=8, max_num_seqs=4, max_num_batched_tokens=16,
                         max_pages_per_seq=4, max_logprobs=4)
 
 
