@@ -2,30 +2,41 @@
 
 A `StepPlan` is a tuple of sub-batches. Each `SubBatchPlan` holds B rows with up to T new tokens
 each (prefill chunks, or decodes with T = 1), unpadded in B and M; the model runner pads them to
-its compiled buckets. Rows are right-padded in T; `num_new` says how many tokens of a row are real. The runner runs
-only the real tokens, unless the sub-batch is `lockstep` (the static baseline): then every row
+its compiled buckets. Rows are right-padded in T; `num_new` says how many tokens of a row are
+real. The runner runs only the real tokens, unless the sub-batch is `lockstep` (the static baseline): then every row
 computes all T slots, as static batching does.
 
 Each sub-batch carries `SamplingArrays`, one entry per row: how to sample the token that follows the
 row's last new token. A row whose chunk does not end its prompt still gets a token sampled; the
 host ignores it (`StepPlan.row_samples` says which rows' tokens count).
 
+`build_plan` lays out the rows a policy picked: one prefill sub-batch per token bucket, widest
+first, then one sub-batch of all decode rows (rows with one token left); empty ones are left out.
+Rows of different widths never share a sub-batch, so a short chunk is not padded to a long one. A
+padding `Row` has `num_new = 0`, `kv_lens = 0` and no pages; it carries the id of the request
+whose seat it holds and never samples.
+
 Invariants (asserted): all arrays int32; a row's new tokens sit at positions
 `kv_lens - num_new ... kv_lens - 1`; its page table covers `kv_lens` tokens; page 0 is never a
 real page. With data parallelism each row belongs to one replica (`replicas`), and its page ids
 are that replica's own (every replica has its own pages 1..P-1 and its own dummy page 0).
 
-This module imports numpy and `batching/sampling.py` only.
+This module is plain Python and numpy; it must not import jax or anything from meshserve's
+model, serving or sharding packages.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Sequence
 
 import numpy as np
 
-from meshserve.batching.sampling import SamplingArrays
+from meshserve.batching.buckets import pick_bucket
+from meshserve.batching.pages import num_pages_for
+from meshserve.batching.request import Request
+from meshserve.batching.sampling import COLUMNS, SamplingArrays, SamplingParams, params_columns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,3 +131,120 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(b.num_tokens for b in self.sub_batches)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One row of a step: the next `num_new` tokens of `request`; 0 makes it a padding row."""
+
+    request: Request
+    num_new: int
+    is_decode: bool
+
+    @property
+    def is_padding(self) -> bool:
+        return self.num_new == 0
+
+    @property
+    def kv_len(self) -> int:
+        """The row's context after this step; 0 for padding."""
+        return 0 if self.is_padding else self.request.num_computed_tokens + self.num_new
+
+    @property
+    def is_sampled(self) -> bool:
+        """Whether this row computes the request's last uncomputed token, so its sample counts."""
+        return not self.is_padding and self.num_new == self.request.num_uncomputed
+
+
+def build_plan(rows: Sequence[Row], *, page_size: int, eos_token_ids: Sequence[int] = (),
+               num_replicas: int = 1, token_buckets: Sequence[int] | None = None,
+               lockstep: bool = False) -> StepPlan:
+    """One prefill sub-batch per token bucket (all prefill rows in one without `token_buckets`),
+    widest first, then one decode sub-batch; an empty one is left out. `lockstep` sub-batches
+    compute every row's full width (the static baseline)."""
+    prefill = [row for row in rows if not row.is_decode]
+    by_bucket: dict[int, list[Row]] = collections.defaultdict(list)
+    for row in prefill:
+        by_bucket[0 if token_buckets is None else pick_bucket(row.num_new, token_buckets)].append(row)
+    decode = [row for row in rows if row.is_decode]
+    groups = [by_bucket[b] for b in sorted(by_bucket, reverse=True)] + ([decode] if decode else [])
+    return StepPlan(
+        sub_batches=tuple(_sub_batch(group, page_size, num_replicas, lockstep)
+                          for group in groups),
+        sampling=tuple(sampling_arrays(group, eos_token_ids=eos_token_ids) for group in groups),
+        row_requests=tuple(tuple(row.request.request_id for row in group) for group in groups),
+        row_samples=tuple(np.array([row.is_sampled for row in group], bool) for group in groups),
+    )
+
+
+def _sub_batch(rows: Sequence[Row], page_size: int, num_replicas: int,
+               lockstep: bool) -> SubBatchPlan:
+    inputs = [_row_inputs(row, page_size) for row in rows]
+    plan = sub_batch_from_rows(inputs, page_size=page_size, targets=_prompt_targets(rows))
+    replicas = None if num_replicas == 1 else np.array([row.request.replica for row in rows],
+                                                        np.int32)
+    return dataclasses.replace(plan, replicas=replicas, lockstep=lockstep)
+
+
+def _row_inputs(row: Row, page_size: int) -> tuple[list[int], int, list[int]]:
+    """`(new_token_ids, num_cached_tokens, pages)`; pages only up to the row's context."""
+    if row.is_padding:
+        return [], 0, []
+    start, end = row.request.num_computed_tokens, row.kv_len
+    pages = row.request.pages[:num_pages_for(end, page_size)]
+    return row.request.all_token_ids[start:end], start, pages
+
+
+def _prompt_targets(rows: Sequence[Row]) -> list[list[int]] | None:
+    """For rows that ask for prompt logprobs: the prompt ids that follow each new token.
+
+    None when no row wants any, so the runner's plain step (no targets) is used.
+    """
+    targets = [_prompt_ids_after(row) if row.request.params.prompt_logprobs is not None else []
+               for row in rows]
+    return targets if any(targets) else None
+
+
+def _prompt_ids_after(row: Row) -> list[int]:
+    start = row.request.num_computed_tokens
+    return row.request.prompt_token_ids[start + 1:start + row.num_new + 1]
+
+
+def sampling_arrays(rows: Sequence[Row], *, eos_token_ids: Sequence[int] = ()) -> SamplingArrays:
+    """Each row's sampling parameters, seed, output index, token history and stop ids."""
+    requests = [row.request for row in rows]
+    params = [r.params for r in requests]
+    history, is_output = _history(rows)
+    return SamplingArrays(
+        **params_columns(params),
+        seeds=np.array([r.seed for r in requests], COLUMNS["seeds"].dtype),
+        steps=np.array([len(r.output_token_ids) for r in requests], COLUMNS["steps"].dtype),
+        history=history, history_is_output=is_output,
+        banned_ids=_banned_ids(params, eos_token_ids),
+    )
+
+
+def _history(rows: Sequence[Row]) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's context after this step ([B, H], right-padded with -1), and which are outputs.
+
+    Only the context: a chunk that does not end its prompt samples a token nobody keeps, and the
+    history then never outgrows the row's pages.
+    """
+    lengths = [row.kv_len for row in rows]
+    history = np.full((len(rows), max(max(lengths), 1)), -1, np.int32)
+    is_output = np.zeros(history.shape, bool)
+    for i, (row, n) in enumerate(zip(rows, lengths)):
+        history[i, :n] = row.request.all_token_ids[:n]
+        is_output[i, row.request.num_prompt_tokens:n] = True
+    return history, is_output
+
+
+def _banned_ids(params: Sequence[SamplingParams], eos_token_ids: Sequence[int]) -> np.ndarray:
+    """The ids the device masks while a row is below min_tokens: stop ids, and EOS unless ignored
+    ([B, E], right-padded with -1)."""
+    ids = [list(dict.fromkeys(p.stop_token_ids + (() if p.ignore_eos else tuple(eos_token_ids))))
+           for p in params]
+    banned = np.full((len(ids), max(1, max(len(i) for i in ids))), -1, np.int32)
+    for row, row_ids in enumerate(ids):
+        banned[row, :len(row_ids)] = row_ids
+    return banned

@@ -9,6 +9,9 @@ There is no PREEMPTED status: a preempted request is WAITING again with `num_com
 and no pages, and `num_preemptions` counts how often that happened. When it is scheduled again it
 recomputes its prompt and the outputs it already has, then samples its next output.
 
+A request stops (`stop_status`) on a stop token id or, unless it ignores EOS, an EOS id, once it
+has `min_tokens` outputs; and always at `max_tokens`.
+
 This module is plain Python; it must not import jax or anything from meshserve's other packages.
 """
 
@@ -18,6 +21,7 @@ import dataclasses
 import enum
 import random
 import time
+from typing import Sequence
 
 from meshserve.batching.prefix_cache import ROOT_HASH, page_hash
 from meshserve.batching.length import LengthFeatures, LengthPrediction
@@ -122,6 +126,30 @@ class Request:
             parent = self.page_keys[-1] if self.page_keys else ROOT_HASH
             self.page_keys.append(page_hash(parent, page))
         return self.page_keys[:num_pages]
+
+
+def stop_status(request: Request, eos_token_ids: Sequence[int]
+                ) -> tuple[RequestStatus, int | None] | None:
+    """Whether the request's newest output ends it: `(status, stop_reason)`, or None to go on.
+
+    Below `min_tokens` neither a stop token nor EOS counts; `max_tokens` always does.
+    """
+    return stop_status_at(request, len(request.output_token_ids) - 1, eos_token_ids)
+
+
+def stop_status_at(request: Request, index: int, eos_token_ids: Sequence[int]
+                   ) -> tuple[RequestStatus, int | None] | None:
+    """`stop_status` as if output `index` were the newest."""
+    params, token = request.params, request.output_token_ids[index]
+    num_outputs = index + 1
+    if num_outputs >= params.min_tokens:
+        if token in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, token
+        if not params.ignore_eos and token in eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED, None
+    if num_outputs >= params.max_tokens:
+        return RequestStatus.FINISHED_LENGTH, None
+    return None
 
 
 def _random_seed() -> int:

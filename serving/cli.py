@@ -49,7 +49,7 @@ from tqdm.auto import tqdm
 
 from meshserve.batching import wire
 from meshserve.batching.sampling import SamplingParams
-from meshserve.batching.scheduler import ORDERINGS
+from meshserve.batching.config import ORDERINGS
 from meshserve.model.checkpoint import check_destination, save_checkpoint
 from meshserve.model.config import weight_bytes
 from meshserve.model.hub import DEFAULT_MODEL, resolve_model

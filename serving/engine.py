@@ -26,9 +26,9 @@ import numpy as np
 
 from meshserve.batching.pipeline import PLACEHOLDER, PipelineSchedule, build_schedule
 from meshserve.batching.plan import StepPlan
-from meshserve.batching.request import Request, RequestStatus
+from meshserve.batching.request import Request, RequestStatus, stop_status_at
 from meshserve.batching.sampling import SamplingParams
-from meshserve.batching.scheduler import Scheduler, stop_status_at
+from meshserve.batching.scheduler import Scheduler
 from meshserve.model.hub import cache_root
 from meshserve.model.runner import (CompileCounter, ModelRunner, SampledRows,
                                     enable_compilation_cache)

@@ -13,7 +13,8 @@ import pytest
 
 from meshserve.batching.pipeline import (DECODE, IDLE, PLACEHOLDER, PREFILL, RowRef, UnitShape,
                                          build_schedule)
-from meshserve.batching.scheduler import Scheduler, SchedulerConfig
+from meshserve.batching.config import SchedulerConfig
+from meshserve.batching.scheduler import Scheduler
 from tests.batching.fake import EMPTY, make_request, next_token, random_requests, reference_outputs
 
 

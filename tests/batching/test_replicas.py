@@ -9,7 +9,8 @@ import pytest
 
 from meshserve.batching.pages import num_pages_for
 from meshserve.batching.request import RequestStatus
-from meshserve.batching.scheduler import Scheduler, SchedulerConfig
+from meshserve.batching.config import SchedulerConfig
+from meshserve.batching.scheduler import Scheduler
 from tests.batching.fake import FakeRunner, drive, make_request, random_requests, reference_outputs
 
 

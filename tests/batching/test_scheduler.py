@@ -5,7 +5,8 @@ import pytest
 
 from meshserve.batching.pages import num_pages_for
 from meshserve.batching.request import RequestStatus
-from meshserve.batching.scheduler import Scheduler, SchedulerConfig
+from meshserve.batching.config import SchedulerConfig
+from meshserve.batching.scheduler import Scheduler
 from tests.batching.fake import (FakeRunner, ScriptedRunner, drive, make_request, random_requests,
                                  reference_outputs)
 
@@ -531,7 +532,7 @@ def test_higher_priority_is_admitted_first_and_ties_stay_first_come_first_served
 
 
 def test_fit_step_bucket_cuts_a_chunk_to_the_nearer_bucket():
-    from meshserve.batching.scheduler import fit_step_bucket
+    from meshserve.batching.continuous import fit_step_bucket
 
     buckets = (1, 2, 4, 8, 16, 32, 64, 128)
     assert fit_step_bucket(15, 64, buckets) == 49  # 79 tokens: 64 is nearer than 128
