@@ -4,12 +4,11 @@
              results = runner.execute(plan)   # device: one step, one copy back
              return self._update(plan, results)  # host: tokens, text, stops, outputs
 
-The engine owns detokenization and stop strings; the scheduler owns token-level stops, pages and
-preemption. `EngineConfig` (`meshserve.serving.config`) holds every knob once and derives the
-`RunnerConfig` and the `SchedulerConfig` from them.
-
-Text of a running request never ends in a partial stop string: the last `len(longest stop) - 1`
-characters are held back until they can no longer start one.
+The scheduler owns each request's tokens, pages, token-level stops and preemption; a `Stream`
+(`serving/streams.py`) owns what the caller sees of it: text, stop strings and logprobs. The
+engine applies a stream's stop-string cut through the scheduler. `EngineConfig`
+(`meshserve.serving.config`) holds every knob once and derives the `RunnerConfig` and the
+`SchedulerConfig` from them.
 
 Not thread-safe: one thread owns an Engine (the gRPC server's engine loop, or `LLM`).
 """
@@ -33,29 +32,16 @@ from meshserve.model.hub import cache_root
 from meshserve.model.runner import (CompileCounter, ModelRunner, SampledRows,
                                     enable_compilation_cache)
 from meshserve.model.pipeline import PipelineRunner
-from meshserve.model.tokenizer import IncrementalDecoder, Tokenizer, is_valid_unicode
+from meshserve.model.tokenizer import Tokenizer, is_valid_unicode
 from meshserve.serving.config import EngineConfig
 from meshserve.serving.multihost import payload_sizes
-from meshserve.serving.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from meshserve.serving.outputs import RequestOutput
+from meshserve.serving.streams import Stream
 from meshserve.sharding.layout import prepare
 
 MAX_REQUEST_ID_BYTES = 256  # a request id is echoed in every streamed message
 MAX_STOP_STRINGS = 64  # each step searches new text for each stop string of each request
 MAX_STOP_STRING_CHARS = 1024  # and holds back len(longest) - 1 characters while streaming
-
-
-@dataclasses.dataclass
-class _Stream:
-    """What the engine tracks per request beyond the scheduler's state."""
-
-    request: Request
-    prompt: str | None
-    decoder: IncrementalDecoder | None
-    text: str = ""  # decoded so far, stop strings not yet cut
-    emitted: int = 0  # characters of `text` already safe to show
-    logprobs: list[dict[int, Logprob]] | None = None
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    metrics: RequestMetrics = dataclasses.field(default_factory=RequestMetrics)
 
 
 class Engine:
@@ -82,7 +68,7 @@ class Engine:
         eos = tokenizer.eos_token_ids if tokenizer is not None else model.config.eos_token_ids
         self.scheduler = Scheduler(config.scheduler_config(eos, num_replicas=runner.num_replicas),
                                    predictor=config.make_length_predictor())
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, Stream] = {}
         self._ids = itertools.count()
         self.stats = EngineStats()
         if config.compilation_cache:
@@ -129,7 +115,7 @@ class Engine:
         request = Request(request_id=request_id, prompt_token_ids=prompt_ids, params=params,
                           priority=priority)
         self.scheduler.add(request)
-        self._streams[request_id] = self._new_stream(request, text)
+        self._streams[request_id] = Stream.open(request, text, self.tokenizer)
         return request_id
 
     def step(self) -> list[RequestOutput]:
@@ -217,13 +203,6 @@ class Engine:
             raise ValueError(f"prompt_logprobs={params.prompt_logprobs} exceeds max_logprobs="
                              f"{self.config.max_logprobs}")
 
-    def _new_stream(self, request: Request, text: str | None) -> _Stream:
-        decoder = IncrementalDecoder(self.tokenizer) if self.tokenizer is not None else None
-        params = request.params
-        return _Stream(request=request, prompt=text, decoder=decoder,
-                       logprobs=[] if params.logprobs is not None else None,
-                       prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
-
     # -- outputs --------------------------------------------------------------------------------
 
     # -- pipeline parallelism -------------------------------------------------------------------
@@ -263,7 +242,7 @@ class Engine:
     def _resolve(self, plans: Sequence[StepPlan], results) -> list[RequestOutput]:
         """Fills each placeholder output with its sampled token, round by round; a token that
         stops its request (EOS, a stop id) cuts off what the later rounds generated."""
-        touched: dict[str, _Stream] = {}
+        touched: dict[str, Stream] = {}
         eos = self.scheduler.config.eos_token_ids
         for plan, batches in zip(plans, results):
             for ids, rows, samples, batch, sampling in zip(
@@ -276,22 +255,31 @@ class Engine:
                     if index >= len(request.output_token_ids):
                         continue  # generated after a stop: discarded
                     request.output_token_ids[index] = int(rows.tokens[r])
-                    self._record_token(stream, rows, r)
+                    stream.record_token(rows, r)
                     touched.setdefault(request_id, stream)
                     stop = stop_status_at(request, index, eos)
                     if stop is not None:
-                        self._cut(request, index, *stop)
+                        self._end_at(request, index + 1, *stop)
         return [self._output(stream) for stream in touched.values()]
 
-    def _cut(self, request: Request, index: int, status: RequestStatus,
-             stop_reason: int | str | None) -> None:
-        """Ends `request` at output `index`, dropping the outputs generated past it."""
-        del request.output_token_ids[index + 1:]
+    def _end_at(self, request: Request, num_outputs: int, status: RequestStatus,
+                stop_reason: int | str | None) -> None:
+        """Ends `request` after its first `num_outputs` outputs, dropping those past them."""
+        del request.output_token_ids[num_outputs:]
         if self.scheduler.get(request.request_id) is not None:
             self.scheduler.finish(request.request_id, status, stop_reason=stop_reason)
-        else:  # it ended on length later in the call; the stop came first
+        else:  # it already ended (on length, later in the call): the stop came first
             request.status, request.finish_reason = status, status.finish_reason
             request.stop_reason = stop_reason
+
+    def _output(self, stream: Stream) -> RequestOutput:
+        cut = stream.advance()
+        if cut is not None:
+            self._end_at(stream.request, cut.num_outputs, RequestStatus.FINISHED_STOPPED,
+                         cut.stop)
+        if stream.request.is_finished:
+            self._streams.pop(stream.request.request_id, None)
+        return stream.output()
 
     def _update(self, plan: StepPlan, results: list[SampledRows]) -> list[RequestOutput]:
         for ids, rows, samples, batch in zip(plan.row_requests, results, plan.row_samples,
@@ -300,104 +288,12 @@ class Engine:
                 stream = self._streams.get(request_id)
                 if stream is None or batch.num_new[r] == 0:
                     continue  # a padding row holding a finished request's seat
-                self._record_prompt_logprobs(stream, rows, r, batch)
+                stream.record_prompt_logprobs(rows, r, batch)
                 if samples[r]:
-                    self._record_token(stream, rows, r)
+                    stream.record_token(rows, r)
         touched = self.scheduler.update(plan, [rows.tokens for rows in results])
         return [self._output(self._streams[req.request_id]) for req in touched
                 if req.request_id in self._streams]
-
-    def _record_token(self, stream: _Stream, rows: SampledRows, r: int) -> None:
-        token = int(rows.tokens[r])
-        stream.metrics.record_token(time.monotonic())
-        if stream.logprobs is not None:
-            stream.logprobs.append(self._logprob_entry(token, float(rows.logprobs[r]),
-                                                       rows.top_ids[r], rows.top_logprobs[r],
-                                                       stream.request.params.logprobs))
-
-    def _record_prompt_logprobs(self, stream: _Stream, rows: SampledRows, r: int, batch) -> None:
-        if stream.prompt_logprobs is None or rows.prompt_logprobs is None:
-            return
-        request, count = stream.request, stream.request.params.prompt_logprobs
-        for t in range(int(batch.num_new[r])):
-            position = int(batch.positions[r, t]) + 1
-            if position != len(stream.prompt_logprobs) or position >= request.num_prompt_tokens:
-                continue  # already recorded before a preemption, or past the prompt
-            stream.prompt_logprobs.append(self._logprob_entry(
-                request.prompt_token_ids[position], float(rows.prompt_logprobs[r, t]),
-                rows.prompt_top_ids[r, t], rows.prompt_top_logprobs[r, t], count))
-
-    def _logprob_entry(self, token: int, logprob: float, top_ids: np.ndarray,
-                       top_logprobs: np.ndarray, count: int) -> dict[int, Logprob]:
-        entry = {token: Logprob(logprob=logprob, rank=_rank(token, top_ids),
-                                decoded_token=self._token_text(token))}
-        for rank, (tid, lp) in enumerate(zip(top_ids[:count], top_logprobs[:count]), start=1):
-            entry.setdefault(int(tid), Logprob(logprob=float(lp), rank=rank,
-                                               decoded_token=self._token_text(int(tid))))
-        return entry
-
-    def _token_text(self, token: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token],
-                                                                        skip_special_tokens=False)
-
-    def _output(self, stream: _Stream) -> RequestOutput:
-        request = stream.request
-        self._advance_text(stream)
-        if request.is_finished:
-            self._streams.pop(request.request_id, None)
-            stream.metrics.finished_time = time.monotonic()
-        visible = stream.text if request.is_finished else stream.text[:stream.emitted]
-        completion = CompletionOutput(
-            index=0, text=visible, token_ids=list(request.output_token_ids),
-            logprobs=stream.logprobs, finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason)
-        stream.metrics.num_preemptions = request.num_preemptions
-        return RequestOutput(
-            request_id=request.request_id, prompt=stream.prompt,
-            prompt_token_ids=list(request.prompt_token_ids),
-            prompt_logprobs=stream.prompt_logprobs, outputs=[completion],
-            finished=request.is_finished, metrics=stream.metrics,
-            num_cached_tokens=request.num_cached_tokens)
-
-    def _advance_text(self, stream: _Stream) -> None:
-        """Decodes new tokens, cuts at a stop string, and moves the safe-to-show mark.
-
-        Tokens are decoded one at a time, so that when one call brought several (pipeline
-        rounds), a stop string ends the request at the token that completed it.
-        """
-        request = stream.request
-        if stream.decoder is None:
-            return
-        stop = None
-        new = request.output_token_ids[len(stream.decoder.token_ids):]
-        for count, token in enumerate(new, start=1):
-            stream.text += stream.decoder.add(token)
-            if count < len(new) and (stop := _find_stop(stream.text, request.params.stop,
-                                                         stream.emitted)) is not None:
-                kept = len(request.output_token_ids) - len(new) + count
-                del request.output_token_ids[kept:]
-                if stream.logprobs is not None:
-                    del stream.logprobs[kept:]
-                break
-        if stop is None:
-            if request.is_finished:
-                stream.text += stream.decoder.flush()
-            stop = _find_stop(stream.text, request.params.stop, stream.emitted)
-        if stop is not None:
-            self._finish_on_stop_string(request, stop[1])
-            stream.text = stream.text[:stop[0]]
-        hold = max((len(s) for s in request.params.stop), default=1) - 1
-        stream.emitted = len(stream.text) if request.is_finished else max(
-            stream.emitted, len(stream.text) - hold)
-
-    def _finish_on_stop_string(self, request: Request, stop: str) -> None:
-        if not request.is_finished:
-            self.scheduler.finish(request.request_id, "stop", stop_reason=stop)
-            return
-        # It also hit max_tokens on this token: the stop string is the truer reason, as in vLLM.
-        request.status = RequestStatus.FINISHED_STOPPED
-        request.finish_reason, request.stop_reason = "stop", stop
-
 
 @dataclasses.dataclass
 class EngineStats:
@@ -493,19 +389,3 @@ def check_stop_strings(stop: Sequence[str]) -> None:
 def _has_penalty(plan: StepPlan) -> bool:
     return any(np.any(s.repetition_penalty != 1) or np.any(s.presence_penalty != 0)
                or np.any(s.frequency_penalty != 0) for s in plan.sampling)
-
-
-def _find_stop(text: str, stops: Sequence[str], start: int) -> tuple[int, str] | None:
-    """Earliest stop string in `text` that ends after `start - len(stop)`: (index, stop)."""
-    found = []
-    for stop in stops:
-        index = text.find(stop, max(0, start - len(stop) + 1))
-        if index >= 0:
-            found.append((index, stop))
-    return min(found) if found else None
-
-
-def _rank(token: int, top_ids: np.ndarray) -> int | None:
-    matches = np.nonzero(top_ids == token)[0]
-    return int(matches[0]) + 1 if matches.size else None
-
