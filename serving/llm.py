@@ -30,7 +30,8 @@ from meshserve.batching import wire
 from meshserve.batching.sampling import SamplingParams
 from meshserve.serving import multihost
 from meshserve.sharding.loading import load_sharded
-from meshserve.serving.engine import Engine, EngineConfig
+from meshserve.serving.config import EngineConfig
+from meshserve.serving.engine import Engine
 from meshserve.serving.outputs import RequestOutput
 
 Prompt = str | Sequence[int]

@@ -44,12 +44,14 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from meshserve.batching.config import POLICY_NAMES
 from meshserve.batching.sampling import SamplingParams
 from meshserve.batching.scheduler import KVUsage
 from meshserve.model.config import kv_bytes_per_token
 from meshserve.model.runner import ModelRunner, RunnerConfig
 from meshserve.serving.bench import latency, loadgen, roofline
-from meshserve.serving.engine import Engine, EngineConfig
+from meshserve.serving.config import EngineConfig
+from meshserve.serving.engine import Engine
 from meshserve.serving.server import GenerationServer, ServerConfig
 
 
@@ -284,13 +286,10 @@ def _stats_delta(before, after):
     return dataclasses.replace(after, **fields)
 
 
-POLICIES = ("continuous", "static")
-
-
 def make_engines(model, config: EngineConfig) -> dict[str, Engine]:
     """One warmed engine per policy, sharing one runner (one compiled set)."""
     engines, runner = {}, None
-    for policy in POLICIES:
+    for policy in POLICY_NAMES:
         engine = Engine(model, None, dataclasses.replace(config, policy=policy, warmup=True),
                         runner=runner)
         engines[policy], runner = engine, engine.runner
@@ -305,7 +304,7 @@ def compare_policies(model, config: EngineConfig, requests: list[BenchRequest], 
         raise ValueError(f"mode must be offline or online, got {mode!r}")
     engines = engines or make_engines(model, config)
     results = {}
-    for policy in POLICIES:
+    for policy in POLICY_NAMES:
         engine = engines[policy]
         results[policy] = (run_offline(engine, requests, progress=progress) if mode == "offline"
                            else run_online(engine, requests, progress=progress, **online))
@@ -319,9 +318,9 @@ def sweep(engines: dict[str, Engine], requests: list[BenchRequest], *, axis: str
     """Online runs of both policies at each rate (`axis="rate"`) or concurrency."""
     if axis not in ("rate", "concurrency"):
         raise ValueError(f"axis must be rate or concurrency, got {axis!r}")
-    points = {policy: [] for policy in POLICIES}
+    points = {policy: [] for policy in POLICY_NAMES}
     for value in values:
-        for policy in POLICIES:
+        for policy in POLICY_NAMES:
             r = run_online(engines[policy], requests, progress=progress,
                            **(online | {axis: value}))
             points[policy].append(r)

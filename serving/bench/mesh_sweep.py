@@ -43,7 +43,6 @@ import dataclasses
 import gc
 import os
 import re
-import sys
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -51,8 +50,10 @@ import jax
 import numpy as np
 
 from meshserve.model.pretrained import Pretrained, load_pretrained
+from meshserve.serving import options
 from meshserve.serving.bench import bench, mesh_measure, roofline
-from meshserve.serving.engine import Engine, EngineConfig
+from meshserve.serving.config import EngineConfig
+from meshserve.serving.engine import Engine
 from meshserve.sharding import planner
 from meshserve.sharding.hardware import HardwareSpec
 from meshserve.sharding.mesh import MeshConfig
@@ -60,11 +61,12 @@ from meshserve.sharding.mesh import MeshConfig
 SPECS = ("whole_machine", "shared_machine")
 
 
-def add_mesh_sweep_parser(subparsers) -> argparse.ArgumentParser:
-    """The `mesh-sweep` subcommand and its own flags; the caller adds the model and engine
-    flags (`--model`, `--dtype`, the `EngineConfig` fields)."""
-    sub = subparsers.add_parser(
-        "mesh-sweep", help="measure a model and workload on each of several meshes")
+HELP = "measure a model and workload on each of several meshes"
+
+
+def add_arguments(sub: argparse.ArgumentParser) -> None:
+    """The `mesh-sweep` flags, and the model and engine flags (`--model`, `--dtype`, the
+    `EngineConfig` fields)."""
     sub.add_argument("--meshes", required=True,
                      help="DATAxSTAGExMODEL list, e.g. 1x1x4,1x2x2,2x1x2; or 'all': every "
                           "factorisation of --devices")
@@ -78,7 +80,7 @@ def add_mesh_sweep_parser(subparsers) -> argparse.ArgumentParser:
                      help="output length of JSONL lines without max_tokens")
     sub.add_argument("--num-requests", type=int, default=16,
                      help="requests of a generated workload")
-    sub.add_argument("--seed", type=int, default=0)
+    sub.add_argument("--seed", type=int, default=0, help="workload seed")
     sub.add_argument("--concurrency", type=int, default=4,
                      help="requests in flight while serving; also the batch of the step timings")
     sub.add_argument("--repeats", type=int, default=5, help="runs of each timed step")
@@ -87,13 +89,13 @@ def add_mesh_sweep_parser(subparsers) -> argparse.ArgumentParser:
     sub.add_argument("--output", type=Path, default=None, help="write the JSON (and charts) here")
     sub.add_argument("--plots-dir", type=Path, default=None,
                      help="where the PNG charts go (default: next to --output)")
-    return sub
+    options.add_model_args(sub)
 
 
-def run_mesh_sweep(args: argparse.Namespace, argv: Sequence[str] | None,
-                   config: EngineConfig) -> int:
-    """Runs the sweep that `args` describes with the engine knobs of `config` (its mesh is
-    replaced per mesh). Bad input raises ValueError with what to change, before any loading."""
+def run(args: argparse.Namespace) -> int:
+    """Runs the sweep that `args` describes with its engine knobs (the mesh is replaced per
+    mesh). Bad input raises ValueError with what to change, before any loading."""
+    config = options.dataclass_from_args(EngineConfig, args)
     meshes = _check_args(args)
     pretrained = load_pretrained(args.model, dtype=args.dtype)
     config = dataclasses.replace(config.for_model(pretrained.config), mesh=None)
@@ -116,7 +118,7 @@ def run_mesh_sweep(args: argparse.Namespace, argv: Sequence[str] | None,
         stem = args.output.stem if args.output else "mesh-sweep"
         plots = mesh_sweep_plots.write_plots(records, directory, stem)
     if args.output:
-        command = "meshserve " + " ".join(argv if argv is not None else sys.argv[1:])
+        command = "meshserve " + " ".join(args.argv)
         bench.write_results(args.output, {
             "schema_version": 1, "command": command, "model": pretrained.config.name,
             "dtype": pretrained.config.dtype, "workload": args.workload,

@@ -1,7 +1,7 @@
 """`meshserve plan`: the mesh planner's command line, a ranked table and optional JSON.
 
 `add_plan_parser(subparsers)` adds the `plan` subcommand to the `meshserve` parser and
-`run_plan(args)` runs it; `python -m meshserve.serving.bench.plan_command plan ...` runs it
+`run(args)` runs it; `python -m meshserve.serving.bench.plan_command plan ...` runs it
 alone. The cost model is `meshserve.sharding.planner`; nothing here imports jax, so planning
 starts at once.
 """
@@ -23,10 +23,17 @@ COLUMNS = ("mesh (d,s,m)", "weights/dev", "KV/token/dev", "max batch", "batch", 
            "TP comm", "PP send", "stage util", "TTFT", "TPOT", "output tok/s", "SLO")
 
 
+HELP = "predict how a model serves on each (data, stage, model) mesh and rank them"
+
+
 def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     """The `plan` subcommand and its flags, on the `meshserve` parser's subparsers."""
-    sub = subparsers.add_parser(
-        "plan", help="predict how a model serves on each (data, stage, model) mesh and rank them")
+    sub = subparsers.add_parser("plan", help=HELP)
+    add_arguments(sub)
+    return sub
+
+
+def add_arguments(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--model", default="llama-2-70b",
                      help=f"a preset: {', '.join(sorted({**PRESETS, **PLANNING_MODELS}))}")
     sub.add_argument("--hardware", default="h100-sxm",
@@ -49,7 +56,6 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     sub.add_argument("--fill-bubbles", action="store_true",
                      help="run prefill in the pipeline's idle decode ticks")
     sub.add_argument("--output", type=Path, default=None, help="also write the plan as JSON")
-    return sub
 
 
 def _concurrency(text: str) -> int | None:
@@ -61,7 +67,7 @@ def _concurrency(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"expected an int or 'max', got {text!r}") from None
 
 
-def run_plan(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """Prints the ranked table; writes JSON to `args.output` when given. Bad input raises
     ValueError with what to change."""
     result = plan_from_args(args)
@@ -136,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_plan_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     try:
-        return run_plan(args)
+        return run(args)
     except ValueError as err:
         print(f"meshserve: error: {err}", file=sys.stderr)
         return 2

@@ -22,7 +22,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-POLICIES = ("continuous", "static")
+from meshserve.batching.config import POLICY_NAMES  # noqa: E402
 
 
 def write_plots(results: dict[str, Any], directory: Path, stem: str) -> dict[str, Any]:
@@ -60,14 +60,14 @@ def _throughput(fig, results: dict[str, Any]) -> str | None:
     ax = fig.add_subplot()
     sweep = results.get("sweep")
     if sweep:
-        for policy in POLICIES:
+        for policy in POLICY_NAMES:
             ax.plot(sweep["values"], [r["output_tokens_per_s"] for r in sweep[policy]],
                     marker="o", label=policy)
         ax.set_xlabel("request rate (req/s)" if sweep["axis"] == "rate" else "concurrency")
         ax.legend()
     else:
-        labels = list(POLICIES)
-        values = [results[p]["output_tokens_per_s"] for p in POLICIES]
+        labels = list(POLICY_NAMES)
+        values = [results[p]["output_tokens_per_s"] for p in POLICY_NAMES]
         for name, peer in (results.get("peers") or {}).items():
             if "output_tokens_per_s" in peer:
                 labels.append(name)
@@ -80,12 +80,12 @@ def _throughput(fig, results: dict[str, Any]) -> str | None:
 
 def _latency_cdf(fig, results: dict[str, Any]) -> str | None:
     metrics = [m for m in ("ttft_s", "tpot_s", "e2el_s")
-               if any(results[p].get("samples", {}).get(m) for p in POLICIES)]
+               if any(results[p].get("samples", {}).get(m) for p in POLICY_NAMES)]
     if not metrics:
         return "no per-request latencies in this run"
     for i, metric in enumerate(metrics, start=1):
         ax = fig.add_subplot(1, len(metrics), i)
-        for policy in POLICIES:
+        for policy in POLICY_NAMES:
             values = np.sort(np.asarray(results[policy].get("samples", {}).get(metric) or []))
             if values.size:
                 ax.step(values * 1e3, np.arange(1, values.size + 1) / values.size,
@@ -100,10 +100,10 @@ def _latency_cdf(fig, results: dict[str, Any]) -> str | None:
 
 def _step_time(fig, results: dict[str, Any]) -> str | None:
     ax = fig.add_subplot()
-    device = [results[p]["step_seconds"] for p in POLICIES]
-    host = [max(results[p]["wall_s"] - results[p]["step_seconds"], 0.0) for p in POLICIES]
-    ax.bar(POLICIES, device, label="device step")
-    ax.bar(POLICIES, host, bottom=device, label="host")
+    device = [results[p]["step_seconds"] for p in POLICY_NAMES]
+    host = [max(results[p]["wall_s"] - results[p]["step_seconds"], 0.0) for p in POLICY_NAMES]
+    ax.bar(POLICY_NAMES, device, label="device step")
+    ax.bar(POLICY_NAMES, host, bottom=device, label="host")
     ax.set_ylabel("seconds")
     ax.set_title("Wall time: device step vs host")
     ax.legend()

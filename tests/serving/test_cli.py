@@ -4,8 +4,9 @@ import dataclasses
 
 import pytest
 
-from meshserve.serving.cli import build_parser, dataclass_from_args, main
-from meshserve.serving.engine import EngineConfig
+from meshserve.serving.cli import build_parser, main
+from meshserve.serving.config import EngineConfig
+from meshserve.serving.options import dataclass_from_args
 
 
 def test_every_engine_field_is_a_flag():

@@ -3,7 +3,8 @@
 import pytest
 
 from meshserve.serving import multihost
-from meshserve.serving.cli import _cluster_config, build_parser
+from meshserve.serving.cli import build_parser
+from meshserve.serving.options import cluster_config_from_args as _cluster_config
 from meshserve.serving.multihost import ClusterConfig
 
 

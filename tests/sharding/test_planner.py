@@ -18,7 +18,7 @@ from flax import nnx
 
 from meshserve.model.config import ModelConfig
 from meshserve.model.transformer import abstract_model
-from meshserve.serving.bench.plan_command import add_plan_parser, run_plan
+from meshserve.serving.bench.plan_command import add_plan_parser, run as run_plan
 from meshserve.sharding import padding, planner
 from meshserve.sharding.hardware import HARDWARE, HardwareSpec, hardware
 from meshserve.sharding.mesh import MeshConfig

@@ -1,0 +1,261 @@
+"""`meshserve bench`: continuous vs static batching on a seeded workload or a JSONL file,
+offline or online, with the roofline, sweeps, the highest rate meeting SLOs, peers and plots
+(`meshserve.serving.bench.bench` runs them; this module is the command line and the tables)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+from meshserve.batching.config import ORDERINGS
+from meshserve.model.hub import resolve_model
+from meshserve.serving import options
+from meshserve.serving.bench import bench, latency
+from meshserve.serving.llm import LLM
+
+HELP = "continuous vs static batching, side by side"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", default="chat-mix",
+                        help="chat-mix, long, shared-prefix, fixed-IxO (fixed-128x64) or "
+                             "jsonl:PATH")
+    parser.add_argument("--prompts", type=Path, default=None,
+                        help="a JSONL file of prompts (same as --workload jsonl:PATH)")
+    parser.add_argument("--max-tokens", type=int, default=64,
+                        help="output length of JSONL lines without max_tokens")
+    parser.add_argument("--stop-at-eos", action="store_true",
+                        help="let the model's EOS end each output (the workload's length is then "
+                             "a cap), instead of forcing every output to its length")
+    parser.add_argument("--num-requests", type=int, default=None,
+                        help="requests of a generated workload (default: 64; --quick: 16)")
+    parser.add_argument("--seed", type=int, default=0, help="workload and arrivals seed")
+    parser.add_argument("--output", type=Path, help="write the results JSON (and plots) here")
+    parser.add_argument("--plots-dir", type=Path, default=None,
+                        help="where the PNG plots go (default: next to --output)")
+    parser.add_argument("--mode", default="offline", choices=("offline", "online"),
+                        help="offline: all at t=0 into the engine; online: through the gRPC server")
+    parser.add_argument("--rate", type=float, default=None,
+                        help="online: requests/s (default: all at once)")
+    parser.add_argument("--burstiness", type=float, default=1.0,
+                        help="online: gamma shape of the gaps; 1 is Poisson, < 1 burstier")
+    parser.add_argument("--concurrency", type=int, default=None, help="online: max in flight")
+    parser.add_argument("--rates", type=_float_list, default=None,
+                        help="online: sweep these request rates, e.g. 1,2,4")
+    parser.add_argument("--concurrencies", type=_int_list, default=None,
+                        help="online: sweep these concurrency caps, e.g. 1,4,16")
+    parser.add_argument("--slo-scale", type=float, default=None,
+                        help="online: goodput against MLPerf Llama-2-70B Server SLOs (TTFT 2 s, "
+                             "TPOT 200 ms) times this factor")
+    parser.add_argument("--find-max-rate", action="store_true",
+                        help="online: search the highest Poisson rate meeting the p99 SLOs "
+                             "(needs --slo-scale)")
+    parser.add_argument("--max-rate-probes", type=int, default=6,
+                        help="online runs per policy for --find-max-rate")
+    parser.add_argument("--roofline", action=argparse.BooleanOptionalAction, default=True,
+                        help="measure the machine and decode steps against the floor first")
+    parser.add_argument("--startup", action="store_true",
+                        help="time `meshserve generate --prompt hi --max-tokens 4` (default engine) "
+                             "in fresh processes, with an empty and a filled compilation cache")
+    parser.add_argument("--roofline-batch", type=int, action="append", default=None,
+                        help="decode batch for the roofline; repeat (default: 1, 8, 32, 64; "
+                             "--quick: 1, 8)")
+    parser.add_argument("--compare", action="append", default=None,
+                        choices=("static", "hf", "llama-cpp"),
+                        help="static (always run) and peers: hf, llama-cpp; repeat for several")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                        help="a progress bar (only on a terminal)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: 16 short chat-mix requests, roofline at 1 and 8")
+    options.add_model_args(parser)
+
+
+def _float_list(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+QUICK_MAX_PROMPT, QUICK_MAX_OUTPUT, QUICK_MAX_MODEL_LEN = 128, 32, 256
+
+
+def run(args: argparse.Namespace) -> None:
+    _check_bench_args(args)
+    if args.policy in ORDERINGS:  # both batching policies always run: --policy picks the ordering
+        args.ordering, args.policy = args.policy, "continuous"
+    if args.quick and args.max_model_len is None:
+        args.max_model_len = QUICK_MAX_MODEL_LEN
+    llm = options.load_llm(args, needs_tokenizer=False, warmup=False)
+    requests = _bench_requests(args, llm)
+    if args.stop_at_eos:
+        requests = [dataclasses.replace(r, stop_at_eos=True) for r in requests]
+    progress = args.progress and sys.stderr.isatty()
+    payload: dict[str, Any] = {}
+    if args.startup:  # before this process compiles anything, so the runs have the cores
+        payload["startup"] = startup = bench.measure_startup(str(resolve_model(args.model).path),
+                                                             dtype=args.dtype)
+        for name in ("empty_cache", "warm_cache"):
+            run = startup[name]
+            print(f"startup, {name.replace('_', ' ')}: answer after {run['wall_s']:.1f} s "
+                  f"(load {run['load_s']} s, {run['programs']:.0f} programs in "
+                  f"{run['compile_s']} s, first token {run['first_token_s']} s)")
+    if args.roofline:
+        batches = args.roofline_batch or ((1, 8) if args.quick else bench.ROOFLINE_BATCHES)
+        payload["roofline"] = bench.run_roofline(llm.engine.model, llm.engine.config,
+                                                 batches=batches,
+                                                 layout=llm.engine.runner.layout)
+    slos = None if args.slo_scale is None else latency.mlperf_server_slos(args.slo_scale)
+    online = {}
+    if args.mode == "online":
+        online = dict(rate=args.rate, burstiness=args.burstiness, concurrency=args.concurrency,
+                      slos=slos, seed=args.seed)
+    engines = bench.make_engines(llm.engine.model, llm.engine.config)
+    axis, values = (("rate", args.rates) if args.rates else
+                    ("concurrency", args.concurrencies) if args.concurrencies else (None, None))
+    if axis is None:
+        results = bench.compare_policies(llm.engine.model, llm.engine.config, requests,
+                                         mode=args.mode, engines=engines, progress=progress,
+                                         **online)
+    else:
+        swept = bench.sweep(engines, requests, axis=axis, values=values, progress=progress,
+                            **online)
+        results = {p: swept[p][-1] for p in bench.POLICY_NAMES} | {"sweep": swept}
+        results["ratio_output_tokens_per_s"] = (results["continuous"]["output_tokens_per_s"]
+                                                / results["static"]["output_tokens_per_s"])
+    if args.find_max_rate:
+        results["max_rate"] = {p: bench.find_max_rate(
+            engines[p], requests, slos=slos, start=args.rate or 1.0,
+            max_probes=args.max_rate_probes, seed=args.seed, burstiness=args.burstiness,
+            progress=progress) for p in bench.POLICY_NAMES}
+    peers = [name for name in dict.fromkeys(args.compare or []) if name != "static"]
+    if peers:
+        results["peers"] = bench.run_peers(peers, args.model, requests,
+                                           max_batch_size=llm.engine.config.max_num_seqs,
+                                           continuous=results["continuous"])
+    _print_bench(results, payload.get("roofline"), online=args.mode == "online")
+    if args.output or args.plots_dir:
+        from meshserve.serving.bench import plots  # matplotlib: only when plotting
+
+        directory = args.plots_dir or args.output.parent
+        stem = args.output.stem if args.output else "bench"
+        payload["plots"] = plots.write_plots(results, directory, stem) | {
+            "directory": str(directory)}
+    if args.output:
+        command = "meshserve " + " ".join(args.argv)
+        bench.write_results(args.output, {
+            "schema_version": 1, "command": command, "model": llm.model_config.name,
+            "workload": args.workload, "num_requests": len(requests), "seed": args.seed,
+            "mode": args.mode, "quick": args.quick,
+            "arrivals": {k: v for k, v in online.items() if k != "slos"} or None,
+            "engine_config": dataclasses.asdict(llm.engine.config),
+            "environment": bench.environment(), "results": results} | payload)
+
+
+def _check_bench_args(args: argparse.Namespace) -> None:
+    online_only = [flag for flag, given in (("--rates", args.rates),
+                                            ("--concurrencies", args.concurrencies),
+                                            ("--find-max-rate", args.find_max_rate)) if given]
+    if online_only and args.mode != "online":
+        raise ValueError(f"{', '.join(online_only)} need --mode online")
+    if args.rates and args.concurrencies:
+        raise ValueError("give --rates or --concurrencies, not both")
+    if args.find_max_rate and args.slo_scale is None:
+        raise ValueError("--find-max-rate needs --slo-scale (the SLOs it must meet)")
+    if args.max_rate_probes < 1:
+        raise ValueError(f"--max-rate-probes must be >= 1, got {args.max_rate_probes}")
+    if args.prompts is not None:
+        if args.workload not in ("chat-mix", f"jsonl:{args.prompts}"):
+            raise ValueError("give --prompts or --workload, not both")
+        args.workload = f"jsonl:{args.prompts}"
+
+
+def _bench_requests(args: argparse.Namespace, llm: LLM) -> list:
+    if args.workload.startswith("jsonl:"):
+        if args.num_requests is not None:
+            raise ValueError("--num-requests applies to generated workloads; a JSONL file runs "
+                             "every line")
+        return bench.load_jsonl_workload(args.workload.removeprefix("jsonl:"),
+                                         tokenizer=llm.tokenizer,
+                                         vocab_size=llm.model_config.vocab_size,
+                                         default_max_tokens=args.max_tokens)
+    num_requests = args.num_requests or (16 if args.quick else 64)
+    requests = bench.make_workload(args.workload, num_requests=num_requests,
+                                   vocab_size=llm.model_config.vocab_size, seed=args.seed)
+    if args.quick:  # short, and within max_model_len
+        max_len = llm.engine.config.max_model_len
+        output = min(QUICK_MAX_OUTPUT, max_len // 4)
+        prompt = min(QUICK_MAX_PROMPT, max_len - output)
+        requests = [dataclasses.replace(r, prompt_token_ids=r.prompt_token_ids[:prompt],
+                                        num_output_tokens=min(r.num_output_tokens, output))
+                    for r in requests]
+    return requests
+
+
+def _print_bench(results: dict, roof: dict | None, *, online: bool) -> None:
+    print(f"{'policy':<11} {'out tok/s':>10} {'req/s':>7} {'prefill pad':>11} {'decode pad':>10} "
+          f"{'host':>6} {'kv peak':>7} {'frag mean':>9} {'frag peak':>9} {'preempt':>7} "
+          f"{'recompiles':>10} {'stage util':>10}")
+    for policy in ("continuous", "static"):
+        r = results[policy]
+        kv = r["kv"]
+        print(f"{policy:<11} {r['output_tokens_per_s']:>10.1f} {r['requests_per_s']:>7.2f} "
+              f"{r['prefill_padding']:>11.1%} {r['decode_padding']:>10.1%} "
+              f"{r['host_overhead']:>6.1%} {kv['peak_used_pages']:>7} "
+              f"{kv['mean_fragmentation']:>9.1%} {kv['peak_fragmentation']:>9.1%} "
+              f"{r['preemptions']:>7} {r['compiles_after_warmup']:>10} "
+              f"{r['stage_utilisation']:>10.1%}")
+    if roof is not None:
+        print(f"roofline: bandwidth {roof['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, matmul "
+              f"{roof['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s, context {roof['context']}")
+        print(f"{'batch':>5} {'step ms':>9} {'floor ms':>9} {'floor/step':>10}")
+        for row in roof["rows"]:
+            print(f"{row['batch']:>5} {row['step_s'] * 1e3:>9.2f} {row['floor_s'] * 1e3:>9.2f} "
+                  f"{row['ratio']:>10.2f}")
+        if roof["skipped_batches"]:
+            print(f"roofline batches skipped (KV too large): {roof['skipped_batches']}")
+    if online:
+        _print_latencies(results)
+    if "sweep" in results:
+        sweep = results["sweep"]
+        print(f"{sweep['axis']:>11} {'cont tok/s':>10} {'static tok/s':>12}")
+        for i, value in enumerate(sweep["values"]):
+            print(f"{value:>11g} {sweep['continuous'][i]['output_tokens_per_s']:>10.1f} "
+                  f"{sweep['static'][i]['output_tokens_per_s']:>12.1f}")
+    for policy, found in results.get("max_rate", {}).items():
+        for p in found["probes"]:
+            print(f"{policy:<11} rate {p['rate']:>7.3f} req/s  p99 ttft "
+                  f"{_ms(p['p99_ttft_s'])} ms  p99 tpot {_ms(p['p99_tpot_s'])} ms  "
+                  f"{'pass' if p['passed'] else 'fail'}")
+        rate = found["max_rate"]
+        print(f"{policy:<11} max rate under {found['slos']['name']}: "
+              f"{'none found' if rate is None else f'{rate:.3f} req/s'}")
+    for name, peer in results.get("peers", {}).items():
+        if "skipped" in peer:
+            print(f"{name}: skipped ({peer['skipped']})")
+        else:
+            print(f"{name}: {peer['output_tokens_per_s']:.1f} out tok/s; continuous / {name} "
+                  f"{peer.get('ratio_continuous_output_tokens_per_s', float('nan')):.2f}x")
+    print(f"continuous / static output tokens/s: {results['ratio_output_tokens_per_s']:.2f}x")
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def _print_latencies(results: dict) -> None:
+    print(f"{'policy':<11} {'metric':<6} {'mean ms':>9} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9}")
+    for policy in ("continuous", "static"):
+        for metric in ("ttft", "tpot", "itl", "e2el"):
+            d = results[policy][f"{metric}_s"]
+            cells = " ".join(f"{'-' if d[k] is None else f'{d[k] * 1e3:.1f}':>9}"
+                             for k in ("mean", "median", "p90", "p99"))
+            print(f"{policy:<11} {metric:<6} {cells}")
+        goodput = results[policy]["goodput"]
+        if goodput["slos"] is not None:
+            print(f"{policy:<11} goodput {goodput['requests_per_s']:.2f} req/s under "
+                  f"{goodput['slos']['name']}")

@@ -1,0 +1,33 @@
+"""`meshserve convert`: write a model (any `--model` form) as a meshserve checkpoint directory:
+orbax weights, config, tokenizer and manifest; `--model DIR` then loads it."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from meshserve.model.checkpoint import check_destination, save_checkpoint
+from meshserve.model.hub import DEFAULT_MODEL
+from meshserve.model.pretrained import load_pretrained
+from meshserve.serving.options import DTYPES
+
+HELP = "write a model as a meshserve checkpoint"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="known model name, .gguf file, HF directory, checkpoint, or preset")
+    parser.add_argument("--out", required=True, type=Path, help="the checkpoint directory")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES,
+                        help="the weights' dtype (default: %(default)s)")
+    parser.add_argument("--force", action="store_true", help="replace --out if it is not empty")
+
+
+def run(args: argparse.Namespace) -> None:
+    check_destination(args.out, force=args.force)  # before the (slow) load
+    pretrained = load_pretrained(args.model, dtype=args.dtype)
+    path = save_checkpoint(pretrained.model, pretrained.tokenizer, args.out, force=args.force)
+    config = pretrained.config
+    tokenizer = "with its tokenizer" if pretrained.tokenizer is not None else "no tokenizer"
+    print(f"wrote {config.name} ({config.num_params / 1e6:.1f}M params, {config.dtype}, "
+          f"{tokenizer}) to {path}")
