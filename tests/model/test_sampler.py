@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from meshserve.batching.sampling import SamplingArrays, greedy_sampling
+from meshserve.batching.sampling import COLUMNS, SamplingArrays, greedy_sampling
 from meshserve.model.sampler import apply_penalties, device_sampling, sample
 
 _SAMPLE = jax.jit(sample, static_argnames="num_top_logprobs")
@@ -291,3 +291,15 @@ def test_device_sampling_reads_stop_masking_from_the_plan_arrays():
     np.testing.assert_array_equal(s.banned_ids, [[7, -1], [8, 9]])
     override = jax.device_get(device_sampling(arrays, min_tokens=np.array([5, 5])))
     np.testing.assert_array_equal(override.min_tokens, [5, 5])
+
+
+def test_sampling_arrays_are_a_pytree_of_their_columns():
+    arrays = greedy_sampling(3, history_width=2)
+    leaves, treedef = jax.tree.flatten(arrays)
+    assert len(leaves) == len(COLUMNS)
+    for leaf, name in zip(leaves, COLUMNS):
+        assert leaf is getattr(arrays, name)
+    # Inside jax the leaves need not be arrays of one row count: unflattening skips the checks.
+    counts = jax.jit(lambda s: jax.tree.map(lambda a: a.shape[0] * 2, s))(arrays)
+    assert isinstance(counts, SamplingArrays) and counts.steps == 6
+    assert jax.tree.unflatten(treedef, leaves).history.shape == (3, 2)
