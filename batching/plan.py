@@ -3,8 +3,8 @@
 A `StepPlan` is a tuple of sub-batches. Each `SubBatchPlan` holds B rows with up to T new tokens
 each (prefill chunks, or decodes with T = 1), unpadded in B and M; the model runner pads them to
 its compiled buckets. Rows are right-padded in T; `num_new` says how many tokens of a row are
-real. The runner runs only the real tokens, unless the sub-batch is `lockstep` (the static baseline): then every row
-computes all T slots, as static batching does.
+real. The runner runs only the real tokens, unless the sub-batch is `lockstep` (the static
+baseline): then every row computes all T slots, as static batching does.
 
 Each sub-batch carries `SamplingArrays`, one entry per row: how to sample the token that follows the
 row's last new token. A row whose chunk does not end its prompt still gets a token sampled; the
@@ -165,7 +165,8 @@ def build_plan(rows: Sequence[Row], *, page_size: int, eos_token_ids: Sequence[i
     prefill = [row for row in rows if not row.is_decode]
     by_bucket: dict[int, list[Row]] = collections.defaultdict(list)
     for row in prefill:
-        by_bucket[0 if token_buckets is None else pick_bucket(row.num_new, token_buckets)].append(row)
+        bucket = 0 if token_buckets is None else pick_bucket(row.num_new, token_buckets)
+        by_bucket[bucket].append(row)
     decode = [row for row in rows if row.is_decode]
     groups = [by_bucket[b] for b in sorted(by_bucket, reverse=True)] + ([decode] if decode else [])
     return StepPlan(

@@ -350,7 +350,8 @@ class Scheduler:
         if num_pages > self.allocators[0].num_total:
             raise ValueError(
                 f"request {rid!r} needs {num_pages} KV pages of {c.page_size} tokens, but the "
-                f"cache has {self.allocators[0].num_total}; shorten it or give the cache more pages")
+                f"cache has {self.allocators[0].num_total}; shorten it or give the cache more "
+                "pages")
 
 
 _POLICIES = {"continuous": ContinuousPolicy, "static": StaticPolicy}
