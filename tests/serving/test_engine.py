@@ -16,7 +16,8 @@ from meshserve.batching.sampling import SamplingParams
 from meshserve.model.config import ModelConfig
 from meshserve.model.runner import CompileCounter
 from meshserve.model.transformer import model_from_params
-from meshserve.serving.engine import Engine, EngineConfig
+from meshserve.serving.config import EngineConfig
+from meshserve.serving.engine import Engine
 from tests.conftest import random_params
 from tests.model.paged import PagedStepper
 

@@ -20,7 +20,7 @@ def test_root_exports_load_on_first_use():
     import meshserve
     from meshserve import LLM, EngineConfig, SamplingParams
     from meshserve.batching.sampling import SamplingParams as BatchingSamplingParams
-    from meshserve.serving.engine import EngineConfig as ServingEngineConfig
+    from meshserve.serving.config import EngineConfig as ServingEngineConfig
 
     assert (LLM, SamplingParams, EngineConfig) == (EngineLLM, BatchingSamplingParams,
                                                    ServingEngineConfig)

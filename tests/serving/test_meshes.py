@@ -18,7 +18,8 @@ from meshserve.batching.sampling import SamplingParams
 from meshserve.model.checkpoint import save_checkpoint
 from meshserve.model.config import ModelConfig
 from meshserve.model.transformer import model_from_params
-from meshserve.serving.engine import Engine, EngineConfig
+from meshserve.serving.config import EngineConfig
+from meshserve.serving.engine import Engine
 from meshserve.sharding.layout import prepare
 from meshserve.sharding.loading import _Placer, load_sharded
 from tests.conftest import random_params

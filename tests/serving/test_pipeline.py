@@ -12,7 +12,8 @@ from meshserve.batching.pipeline import build_schedule
 from meshserve.batching.sampling import SamplingParams
 from meshserve.model.config import ModelConfig
 from meshserve.model.transformer import model_from_params
-from meshserve.serving.engine import Engine, EngineConfig
+from meshserve.serving.config import EngineConfig
+from meshserve.serving.engine import Engine
 from meshserve.serving.metrics import ServerMetrics
 from meshserve.sharding.stages import pad_layers, stage_layout
 from tests.conftest import random_params
