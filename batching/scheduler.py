@@ -198,6 +198,23 @@ class Scheduler:
         self._observe_length(request)
         return True
 
+    def end_at(self, request: Request, num_outputs: int, reason: RequestStatus | str,
+               stop_reason: int | str | None = None) -> None:
+        """Ends `request` after its first `num_outputs` outputs, dropping those past them: a stop
+        found after the step that sampled it (a stop string in the text, or a stop token in an
+        earlier round of a pipeline call). A request that already ended (on length, later in the
+        same call) takes the earlier stop's reason instead."""
+        del request.output_token_ids[num_outputs:]
+        if not self.finish(request.request_id, reason, stop_reason=stop_reason):
+            status = RequestStatus(reason)
+            request.status, request.finish_reason = status, status.finish_reason
+            request.stop_reason = stop_reason
+
+    def set_output(self, request: Request, index: int, token: int) -> None:
+        """Puts a sampled token where a plan made ahead of it (pipeline rounds) left a
+        placeholder."""
+        request.output_token_ids[index] = token
+
     def _observe_length(self, request: Request) -> None:
         """Teaches the predictor a finished request's output length; an aborted request's
         length says nothing about what it would have been."""

@@ -25,7 +25,7 @@ import numpy as np
 
 from meshserve.batching.pipeline import PLACEHOLDER, PipelineSchedule, build_schedule
 from meshserve.batching.plan import StepPlan
-from meshserve.batching.request import Request, RequestStatus, stop_status_at
+from meshserve.batching.request import Request, stop_status_at
 from meshserve.batching.sampling import SamplingParams
 from meshserve.batching.scheduler import Scheduler
 from meshserve.model.hub import cache_root
@@ -254,29 +254,18 @@ class Engine:
                     request, index = stream.request, int(sampling.steps[r])
                     if index >= len(request.output_token_ids):
                         continue  # generated after a stop: discarded
-                    request.output_token_ids[index] = int(rows.tokens[r])
+                    self.scheduler.set_output(request, index, int(rows.tokens[r]))
                     stream.record_token(rows, r)
                     touched.setdefault(request_id, stream)
                     stop = stop_status_at(request, index, eos)
                     if stop is not None:
-                        self._end_at(request, index + 1, *stop)
+                        self.scheduler.end_at(request, index + 1, *stop)
         return [self._output(stream) for stream in touched.values()]
-
-    def _end_at(self, request: Request, num_outputs: int, status: RequestStatus,
-                stop_reason: int | str | None) -> None:
-        """Ends `request` after its first `num_outputs` outputs, dropping those past them."""
-        del request.output_token_ids[num_outputs:]
-        if self.scheduler.get(request.request_id) is not None:
-            self.scheduler.finish(request.request_id, status, stop_reason=stop_reason)
-        else:  # it already ended (on length, later in the call): the stop came first
-            request.status, request.finish_reason = status, status.finish_reason
-            request.stop_reason = stop_reason
 
     def _output(self, stream: Stream) -> RequestOutput:
         cut = stream.advance()
         if cut is not None:
-            self._end_at(stream.request, cut.num_outputs, RequestStatus.FINISHED_STOPPED,
-                         cut.stop)
+            self.scheduler.end_at(stream.request, cut.num_outputs, "stop", cut.stop)
         if stream.request.is_finished:
             self._streams.pop(stream.request.request_id, None)
         return stream.output()
