@@ -40,9 +40,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from meshserve.batching.pipeline import (DECODE, IDLE, PREFILL, PipelineSchedule, UnitShape,
                                          build_schedule, unit_results)
+from meshserve.batching.runner import SampledRows
 from meshserve.batching.sampling import SamplingArrays
 from meshserve.model.attention import KVCache, SubBatch, init_kv_cache, paged_context
-from meshserve.model.runner import (DeviceLayout, PlanChannel, RunnerConfig, SampledRows,
+from meshserve.model.runner import (DeviceLayout, PlanChannel, RunnerConfig,
                                     output_sharding, peer_errors, to_devices)
 from meshserve.model.sampler import Sampled, host_sampling, sample
 from meshserve.model.transformer import RESIDUAL_AXES, apply_layers
@@ -96,6 +97,12 @@ class PipelineRunner:
         # runner take turns with its KV cache)
         self.channel: PlanChannel | None = None  # a multi-process run sets it on every process
         # (only process 0 sends; see meshserve.serving.multihost)
+
+    def warmup(self, *, progress: bool = True) -> list[tuple[()]]:
+        """Compiles the one pipeline call every schedule runs, by running an empty schedule
+        (it computes nothing: every unit is idle)."""
+        self.execute(build_schedule([], self.shape))
+        return [()]
 
     def execute(self, schedule: PipelineSchedule) -> list[list[SampledRows]]:
         """Runs the schedule; per round, per sub-batch of its plan, each row's sampled token."""

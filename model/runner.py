@@ -50,7 +50,8 @@ from tqdm.auto import tqdm
 
 from meshserve.batching.config import SchedulingKnobs, knob, same_knob
 from meshserve.batching.buckets import bucket_sizes, pick_bucket
-from meshserve.batching.plan import SubBatchPlan
+from meshserve.batching.plan import StepPlan, SubBatchPlan
+from meshserve.batching.runner import SampledRows
 from meshserve.batching.sampling import SamplingArrays, concat_sampling, greedy_sampling
 from meshserve.model.attention import (ATTENTION_BACKENDS, KVCache, RaggedBatch, SubBatch,
                                        default_backend, init_kv_cache)
@@ -172,19 +173,6 @@ class PlanChannel(Protocol):
     def failure(self, error: BaseException) -> BaseException: ...
 
 
-@dataclasses.dataclass(frozen=True)
-class SampledRows:
-    """Host copy of one sub-batch's result, padding removed."""
-
-    tokens: np.ndarray  # [B] int32
-    logprobs: np.ndarray  # [B] float32, raw logprob of the sampled token
-    top_ids: np.ndarray  # [B, K] int32
-    top_logprobs: np.ndarray  # [B, K] float32
-    prompt_logprobs: np.ndarray | None = None  # [B, T]
-    prompt_top_ids: np.ndarray | None = None  # [B, T, K]
-    prompt_top_logprobs: np.ndarray | None = None  # [B, T, K]
-
-
 class ModelRunner:
     """`config.num_pages`, `config.max_num_seqs` and `config.max_num_batched_tokens` are per
     replica."""
@@ -239,10 +227,14 @@ class ModelRunner:
         """Token slots the step of `sub_batches` computes, on every replica together."""
         return self.step_key(sub_batches)[0] * self.num_replicas
 
-    def execute(self, sub_batches: Sequence[SubBatchPlan],
-                sampling: Sequence[SamplingArrays] | None = None) -> list[SampledRows]:
-        """Runs one step as one compiled call; returns each real row's sampled token (greedy
-        when `sampling` is None)."""
+    def execute(self, plan: StepPlan) -> list[SampledRows]:
+        """Runs the plan as one compiled call: each sub-batch's real rows, sampled."""
+        return self.run_step(plan.sub_batches, plan.sampling)
+
+    def run_step(self, sub_batches: Sequence[SubBatchPlan],
+                 sampling: Sequence[SamplingArrays] | None = None) -> list[SampledRows]:
+        """Runs sub-batches as one step, one compiled call; returns each real row's sampled
+        token (greedy when `sampling` is None)."""
         if sampling is None:
             sampling = [greedy_sampling(b.num_rows) for b in sub_batches]
         call = self.host_call(sub_batches, sampling)
@@ -311,11 +303,12 @@ class ModelRunner:
         return self._programs[key]
 
     def warmup(self, keys: Sequence[tuple[int, int]] | None = None, *,
-               progress: bool = True) -> None:
+               progress: bool = True) -> list[tuple[int, int]]:
         """Compiles the step for each key (default: `config.step_keys()`); runs nothing."""
-        keys = self.config.step_keys() if keys is None else keys
+        keys = self.config.step_keys() if keys is None else list(keys)
         for key in tqdm(keys, desc="warming up", unit="program", disable=not progress):
             self.program(key)
+        return keys
 
     def _flatten(self, sub_batches: Sequence[SubBatchPlan], tokens_per_replica: int,
                  has_targets: int) -> tuple[RaggedBatch, tuple, tuple]:

@@ -29,8 +29,8 @@ from meshserve.batching.request import Request, stop_status_at
 from meshserve.batching.sampling import SamplingParams
 from meshserve.batching.scheduler import Scheduler
 from meshserve.model.hub import cache_root
-from meshserve.model.runner import (CompileCounter, ModelRunner, SampledRows,
-                                    enable_compilation_cache)
+from meshserve.batching.runner import Runner, SampledRows, StepRunner
+from meshserve.model.runner import CompileCounter, ModelRunner, enable_compilation_cache
 from meshserve.model.pipeline import PipelineRunner
 from meshserve.model.tokenizer import Tokenizer, is_valid_unicode
 from meshserve.serving.config import EngineConfig
@@ -45,27 +45,18 @@ MAX_STOP_STRING_CHARS = 1024  # and holds back len(longest) - 1 characters while
 
 
 class Engine:
-    def __init__(self, model, tokenizer: Tokenizer | None, config: EngineConfig = EngineConfig(),
-                 *, runner: ModelRunner | None = None):
-        """`model` is placed on `config.mesh` (heads padded when the model axis needs it).
-
-        `runner` lets engines of the same shapes share one set of compiled programs (XLA:CPU
-        runs out of memory maps after a few hundred loaded executables); it must come from an
-        engine with the same mesh and runner config.
-        """
-        self.config = config = config.for_model(model.config)
+    def __init__(self, runner: Runner, tokenizer: Tokenizer | None,
+                 config: EngineConfig = EngineConfig(), *, model=None):
+        """An engine over `runner`: a `ModelRunner`, a `PipelineRunner` when the mesh has
+        stages, or any runner that keeps the contract of `meshserve.batching.runner` (the tests'
+        arithmetic `FakeRunner`). `from_model` builds the runner for a model. `model` is kept as
+        `self.model` for the tools that build more runners of it (bench, roofline)."""
+        self.config = config = config.for_model(runner.model_config)
         self.tokenizer = tokenizer
         self.is_pipelined = config.mesh_config.stage > 1
-        if runner is None:
-            prepared = prepare(model, config.mesh_config)
-            model = prepared.model
-            runner = (PipelineRunner(model, config.runner_config(), prepared.layout,
-                                     config.unit_shape()) if self.is_pipelined
-                      else ModelRunner(model, config.runner_config(), prepared.layout))
-        elif runner.config != config.runner_config() or runner.model_config != model.config:
-            raise ValueError("a shared runner must have this engine's model and runner config")
-        self.model, self.model_config, self.runner = model, model.config, runner
-        eos = tokenizer.eos_token_ids if tokenizer is not None else model.config.eos_token_ids
+        self.model, self.model_config, self.runner = model, runner.model_config, runner
+        eos = (tokenizer.eos_token_ids if tokenizer is not None
+               else runner.model_config.eos_token_ids)
         self.scheduler = Scheduler(config.scheduler_config(eos, num_replicas=runner.num_replicas),
                                    predictor=config.make_length_predictor())
         self._streams: dict[str, Stream] = {}
@@ -76,6 +67,28 @@ class Engine:
         if config.warmup:
             self.warmup()
 
+    @classmethod
+    def from_model(cls, model, tokenizer: Tokenizer | None,
+                   config: EngineConfig = EngineConfig(), *,
+                   runner: ModelRunner | PipelineRunner | None = None) -> Engine:
+        """An engine for `model`, placed on `config.mesh` (heads padded when the model axis
+        needs it).
+
+        `runner` lets engines of the same shapes share one set of compiled programs (XLA:CPU
+        runs out of memory maps after a few hundred loaded executables); it must come from an
+        engine with the same model, mesh and runner config.
+        """
+        settled = config.for_model(model.config)
+        if runner is None:
+            prepared = prepare(model, settled.mesh_config)
+            model = prepared.model
+            runner = (PipelineRunner(model, settled.runner_config(), prepared.layout,
+                                     settled.unit_shape()) if settled.mesh_config.stage > 1
+                      else ModelRunner(model, settled.runner_config(), prepared.layout))
+        elif runner.config != settled.runner_config() or runner.model_config != model.config:
+            raise ValueError("a shared runner must have this engine's model and runner config")
+        return cls(runner, tokenizer, config, model=model)
+
     def warmup(self, *, progress: bool = True) -> None:
         """Compiles every bucket. In a multi-process job every process runs its own warm-up, at
         the same point and in the same order (the plan stream stays out of it), and then the
@@ -84,12 +97,7 @@ class Engine:
         started = time.perf_counter()
         try:
             with CompileCounter() as compiles:
-                if self.is_pipelined:  # one program runs every schedule
-                    keys = [()]
-                    self.runner.execute(build_schedule([], self.runner.shape))
-                else:
-                    keys = self.runner.config.step_keys()
-                    self.runner.warmup(keys, progress=progress)
+                keys = self.runner.warmup(progress=progress)
                 if channel is not None:
                     channel.warmup(payload_sizes(self.runner, keys))
         finally:
@@ -129,7 +137,7 @@ class Engine:
             return []
         started = time.perf_counter()
         with CompileCounter() as compiles:
-            results = self.runner.execute(plan.sub_batches, plan.sampling)
+            results = self.runner.execute(plan)
         self.stats.record_step(plan, self.runner, time.perf_counter() - started, compiles.count)
         self.stats.device_wait_seconds += self.runner.last_wait_seconds
         return self._update(plan, results)
@@ -301,7 +309,7 @@ class EngineStats:
     stage_busy_slots: int = 0  # pipeline (tick, stage, replica) slots that ran a real row
     stage_slots: int = 0  # all pipeline slots, idle ones included
 
-    def record_step(self, plan: StepPlan, runner: ModelRunner, seconds: float,
+    def record_step(self, plan: StepPlan, runner: StepRunner, seconds: float,
                     compiles: int) -> None:
         self.num_steps += 1
         self.step_seconds += seconds

@@ -37,7 +37,7 @@ def generate_greedy(runner: ModelRunner, prompts: Sequence[Sequence[int]], *,
         plan = sub_batch_from_rows(
             [([rows[i].token_ids[-1]], _context_len(rows[i]) - 1, pages[i]) for i in live],
             page_size=runner.config.page_size)
-        (out,) = runner.execute([plan])
+        (out,) = runner.run_step([plan])
         for i, token, logprob in zip(live, out.tokens, out.logprobs):
             _append(rows[i], int(token), float(logprob), stop_token_ids, max_new_tokens)
     return rows
@@ -51,7 +51,7 @@ def _prefill(runner, rows, pages, stop_token_ids, max_new_tokens) -> None:
         plan = sub_batch_from_rows(
             [(rows[i].prompt_ids[start:start + chunk], start, pages[i]) for i in live],
             page_size=runner.config.page_size)
-        (out,) = runner.execute([plan])
+        (out,) = runner.run_step([plan])
         for i, token, logprob in zip(live, out.tokens, out.logprobs):
             if len(rows[i].prompt_ids) <= start + chunk:  # this chunk ended the prompt
                 _append(rows[i], int(token), float(logprob), stop_token_ids, max_new_tokens)

@@ -50,7 +50,7 @@ class LLM:
         pretrained = load_sharded(model, config.mesh_config, dtype=dtype, seed=seed)
         self.tokenizer = pretrained.tokenizer
         self.model_config = pretrained.config
-        self.engine = Engine(pretrained.model, pretrained.tokenizer,
+        self.engine = Engine.from_model(pretrained.model, pretrained.tokenizer,
                              dataclasses.replace(config, warmup=False))
         if self.cluster is not None:
             self.engine.runner.channel = self.cluster.stream

@@ -290,8 +290,9 @@ def make_engines(model, config: EngineConfig) -> dict[str, Engine]:
     """One warmed engine per policy, sharing one runner (one compiled set)."""
     engines, runner = {}, None
     for policy in POLICY_NAMES:
-        engine = Engine(model, None, dataclasses.replace(config, policy=policy, warmup=True),
-                        runner=runner)
+        engine = Engine.from_model(model, None,
+                                   dataclasses.replace(config, policy=policy, warmup=True),
+                                   runner=runner)
         engines[policy], runner = engine, engine.runner
     return engines
 

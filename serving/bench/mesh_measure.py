@@ -78,7 +78,7 @@ def _describe(engine: Engine, args: tuple) -> Call:
         rows = int(np.count_nonzero(schedule.decode_num_new)
                    + np.count_nonzero(schedule.prefill_num_new))
         return Call(args, len(schedule.plans), rows, tokens, schedule.num_ticks)
-    sub_batches = args[0]
+    sub_batches = args[0].sub_batches
     return Call(args, 1, sum(int(np.count_nonzero(b.num_new)) for b in sub_batches),
                 sum(b.num_tokens for b in sub_batches), None)
 
@@ -144,7 +144,7 @@ def decode_program(engine: Engine, call: Call) -> dict[str, Any]:
     if engine.is_pipelined:
         compiled = [compile_pipeline_call(runner)]
     else:
-        compiled = [compile_step(runner, runner.step_key(call.args[0]))]
+        compiled = [compile_step(runner, runner.step_key(call.args[0].sub_batches))]
     hlos = [Hlo.parse(c.as_text()) for c in compiled]
     ticks, devices = call.num_ticks or 1, _num_devices(engine)
     written = add_tallies(*(static_collectives(h, devices) for h in hlos))

@@ -209,7 +209,7 @@ def measure_mesh(pretrained: Pretrained, mesh: MeshConfig, config: EngineConfig,
     """Every measurement of one mesh, or the reason it cannot run the model."""
     record: dict[str, Any] = {"mesh": mesh_label(mesh), "shape": dataclasses.asdict(mesh)}
     try:
-        engine = Engine(pretrained.model, pretrained.tokenizer,
+        engine = Engine.from_model(pretrained.model, pretrained.tokenizer,
                         dataclasses.replace(config, mesh=mesh))
     except ValueError as err:  # the model cannot be split over this mesh
         return record | {"error": str(err)}

@@ -110,4 +110,4 @@ def measure_decode_step(runner: ModelRunner, *, batch: int, context: int,
             for k in slot]
     plan = dataclasses.replace(sub_batch_from_rows(rows, page_size=size),
                                replicas=np.arange(batch, dtype=np.int32) % replicas)
-    return median_seconds(lambda: np.asarray(runner.execute([plan])[0].tokens), repeats=repeats)
+    return median_seconds(lambda: np.asarray(runner.run_step([plan])[0].tokens), repeats=repeats)

@@ -82,13 +82,13 @@ def test_runner_compiles_one_program_per_token_bucket():
     assert runner.config.step_keys() == [(t, 0) for t in (1, 2, 4, 8, 16, 32)] + [
         (16, 1), (32, 1)]
     plan = lambda rows: sub_batch_from_rows(rows, page_size=4)  # noqa: E731
-    runner.execute([plan([([1] * 11, 0, [1, 2, 3])])])
+    runner.run_step([plan([([1] * 11, 0, [1, 2, 3])])])
     with CompileCounter() as same_bucket:
-        runner.execute([plan([([1] * 9, 5, [1, 2, 3, 4])])])  # 9 tokens: the 16-slot bucket
-        runner.execute([plan([([1] * 3, 0, [5]), ([2] * 4, 3, [6, 7]), ([3], 27, [1] * 7)]),
+        runner.run_step([plan([([1] * 9, 5, [1, 2, 3, 4])])])  # 9 tokens: the 16-slot bucket
+        runner.run_step([plan([([1] * 3, 0, [5]), ([2] * 4, 3, [6, 7]), ([3], 27, [1] * 7)]),
                         plan([([4], 14, [8, 9, 10, 11])])])  # 4 rows, 9 tokens, mixed
     with CompileCounter() as new_bucket:
-        runner.execute([plan([([1], 14, [1, 2, 3, 4])] * 3)])  # 3 tokens: the 4-slot bucket
+        runner.run_step([plan([([1], 14, [1, 2, 3, 4])] * 3)])  # 3 tokens: the 4-slot bucket
     assert same_bucket.count == 0
     assert new_bucket.count == 1
     assert runner.step_key([plan([([1], 0, [1])] * 3)]) == (4, 0)
@@ -105,13 +105,13 @@ def test_padding_and_company_do_not_disturb_a_row():
     alone, padded = ModelRunner(model, config), ModelRunner(model, config)
     rows = [([5, 6, 7], 0, [2, 3])]
     plan = sub_batch_from_rows(rows, page_size=4)
-    (want,) = alone.execute([plan])
+    (want,) = alone.run_step([plan])
     assert alone.step_key([plan]) == (4, 0)
     three = sub_batch_from_rows(rows + [([8], 0, [4]), ([9, 9], 0, [5])], page_size=4)
-    (three_out,) = padded.execute([three])
+    (three_out,) = padded.run_step([three])
     assert padded.step_key([three]) == (8, 0)
     lockstep = dataclasses.replace(three, lockstep=True)  # every row takes 3 slots
-    (lockstep_out,) = padded.execute([lockstep])
+    (lockstep_out,) = padded.run_step([lockstep])
     assert padded.padded_tokens([lockstep]) == 16
     for got in (three_out, lockstep_out):
         assert got.tokens[0] == want.tokens[0]

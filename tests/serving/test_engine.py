@@ -80,7 +80,7 @@ def tiny_model(tiny_config, tiny_params):
 @pytest.fixture(scope="module")
 def engine(tiny_model):
     """The warmed engine: nothing it serves may compile."""
-    return Engine(tiny_model, None, EngineConfig(**TINY))
+    return Engine.from_model(tiny_model, None, EngineConfig(**TINY))
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +97,8 @@ def eos_probe(engine):
 def cold_engine(tiny_config, tiny_params, eos_probe):
     """Unwarmed, same weights; its model's EOS is the token t of `eos_probe`."""
     config = tiny_config.replace(eos_token_ids=(eos_probe[3],))
-    return Engine(model_from_params(config, tiny_params), None,
-                  EngineConfig(**(TINY | dict(warmup=False))))
+    return Engine.from_model(model_from_params(config, tiny_params), None,
+                             EngineConfig(**(TINY | dict(warmup=False))))
 
 
 # -- batching --------------------------------------------------------------------------------------
@@ -143,7 +143,8 @@ def test_unseeded_requests_sample_differently(engine):
 @pytest.fixture(scope="module")
 def tight_engine(tiny_model):
     """8 pages of 16 tokens: any one request fits, four of ~50 tokens at once do not."""
-    return Engine(tiny_model, None, EngineConfig(**(TINY | dict(num_pages=9, warmup=False))))
+    return Engine.from_model(tiny_model, None,
+                             EngineConfig(**(TINY | dict(num_pages=9, warmup=False))))
 
 
 def test_preemption_keeps_outputs_identical(engine, tight_engine):
@@ -165,8 +166,9 @@ def test_preemption_keeps_outputs_identical(engine, tight_engine):
 @pytest.fixture(scope="module")
 def uncached_engine(tiny_model, engine):
     """The warmed engine's twin without prefix caching; it shares its compiled programs."""
-    return Engine(tiny_model, None, EngineConfig(**(TINY | dict(enable_prefix_caching=False))),
-                  runner=engine.runner)
+    return Engine.from_model(tiny_model, None,
+                             EngineConfig(**(TINY | dict(enable_prefix_caching=False))),
+                             runner=engine.runner)
 
 
 def _shared_prefix_requests(system_len: int, tails, max_tokens: int, seed: int) -> list:
@@ -196,7 +198,7 @@ def test_prefix_cache_gives_identical_tokens_and_skips_the_shared_pages(engine, 
 @pytest.fixture(scope="module")
 def static_engine(tiny_model):
     """Warmed; contexts up to 64 tokens, so one page bucket, as the warm engine uses for them."""
-    return Engine(tiny_model, None, EngineConfig(**(TINY | dict(policy="static",
+    return Engine.from_model(tiny_model, None, EngineConfig(**(TINY | dict(policy="static",
                                                                 max_model_len=64))))
 
 
@@ -428,7 +430,7 @@ def test_duplicate_request_id_is_rejected(engine):
 ])
 def test_bad_engine_config_is_rejected(tiny_model, overrides, message):
     with pytest.raises(ValueError, match=message):
-        Engine(tiny_model, None, EngineConfig(**(TINY | dict(warmup=False) | overrides)))
+        Engine.from_model(tiny_model, None, EngineConfig(**(TINY | dict(warmup=False) | overrides)))
 
 
 def test_shutdown_empties_the_engine(engine):
@@ -452,7 +454,7 @@ QUESTIONS = ["What is the capital of France?", "Name three colors.", "What is 2+
 
 @pytest.fixture(scope="module")
 def smol_engine(smollm2_pretrained):
-    return Engine(smollm2_pretrained.model, smollm2_pretrained.tokenizer, EngineConfig(
+    return Engine.from_model(smollm2_pretrained.model, smollm2_pretrained.tokenizer, EngineConfig(
         num_pages=64, page_size=16, max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk=32,
         max_model_len=256, warmup=False, compilation_cache=False))
 
@@ -484,8 +486,10 @@ SYSTEM = ("You are a careful assistant for a small library. Answer briefly, in p
 @pytest.mark.slow
 def test_smollm2_shared_system_prompt_gives_the_same_tokens_with_and_without_the_cache(
         smollm2_pretrained, smol_engine):
-    uncached = Engine(smollm2_pretrained.model, smollm2_pretrained.tokenizer, dataclasses.replace(
-        smol_engine.config, enable_prefix_caching=False), runner=smol_engine.runner)
+    uncached = Engine.from_model(
+        smollm2_pretrained.model, smollm2_pretrained.tokenizer,
+        dataclasses.replace(smol_engine.config, enable_prefix_caching=False),
+        runner=smol_engine.runner)
     prompts = [smol_engine.tokenizer.apply_chat_template(
         [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
         for q in QUESTIONS]
@@ -572,10 +576,10 @@ def test_the_compiled_set_is_at_most_16_programs(overrides):
 def test_engines_sharing_a_runner_take_turns_with_its_cache(tiny_model, engine):
     """Another engine on the same runner writes the same pages, so an engine that runs after it
     drops its prefix cache instead of reading the other's tokens as its own prefix."""
-    first = Engine(tiny_model, None, EngineConfig(**(TINY | dict(warmup=False))),
-                   runner=engine.runner)
-    other = Engine(tiny_model, None, EngineConfig(**(TINY | dict(warmup=False))),
-                   runner=engine.runner)
+    first = Engine.from_model(tiny_model, None, EngineConfig(**(TINY | dict(warmup=False))),
+                              runner=engine.runner)
+    other = Engine.from_model(tiny_model, None, EngineConfig(**(TINY | dict(warmup=False))),
+                              runner=engine.runner)
     prompt = _prompt(40, seed=21)  # two full pages can be cached
     (want,) = _run(first, [(prompt, _greedy(6))])
     (hit,) = _run(first, [(prompt, _greedy(6))])

@@ -123,7 +123,7 @@ def test_a_pipeline_mesh_permutes_between_stages():
     tick (activations forward, tokens back), and no all-reduce without a model axis."""
     config = ModelConfig.preset("tiny-llama")
     model = model_from_params(config, random_params(config))
-    engine = Engine(model, None, EngineConfig(mesh="stage=2", num_pages=32, max_num_seqs=2,
+    engine = Engine.from_model(model, None, EngineConfig(mesh="stage=2", num_pages=32, max_num_seqs=2,
                                               max_num_batched_tokens=32, prefill_chunk=16,
                                               max_model_len=32, pipeline_rounds=2,
                                               warmup=False, compilation_cache=False))

@@ -63,7 +63,8 @@ def _assert_same(got, want) -> None:
 @pytest.fixture(scope="module")
 def smollm2_reference(smollm2_pretrained):
     requests = [(p, SamplingParams(temperature=0, max_tokens=6, logprobs=5)) for p in PROMPTS]
-    engine = Engine(smollm2_pretrained.model, smollm2_pretrained.tokenizer, EngineConfig(**ENGINE))
+    engine = Engine.from_model(smollm2_pretrained.model, smollm2_pretrained.tokenizer,
+                               EngineConfig(**ENGINE))
     return requests, _run(engine, requests)
 
 
@@ -71,8 +72,8 @@ def smollm2_reference(smollm2_pretrained):
 @pytest.mark.parametrize("mesh", SMOLLM2_MESHES)
 def test_smollm2_tokens_and_logprobs_match_one_device(smollm2_pretrained, smollm2_reference, mesh):
     requests, want = smollm2_reference
-    engine = Engine(smollm2_pretrained.model, smollm2_pretrained.tokenizer,
-                    EngineConfig(mesh=mesh, **ENGINE))
+    engine = Engine.from_model(smollm2_pretrained.model, smollm2_pretrained.tokenizer,
+                               EngineConfig(mesh=mesh, **ENGINE))
     _assert_same(_run(engine, requests), want)
 
 
@@ -96,12 +97,13 @@ def _tiny_requests() -> list:
 @pytest.fixture(scope="module")
 def tiny_want(tiny_model) -> list:
     """The one-device outputs of `_tiny_requests()`, run once: every tiny mesh must match them."""
-    return _run(Engine(tiny_model, None, EngineConfig(**ENGINE)), _tiny_requests())
+    return _run(Engine.from_model(tiny_model, None, EngineConfig(**ENGINE)), _tiny_requests())
 
 
 @pytest.mark.parametrize("mesh", TINY_MESHES)
 def test_tiny_llama_matches_one_device(tiny_model, tiny_want, mesh):
-    got = _run(Engine(tiny_model, None, EngineConfig(mesh=mesh, **ENGINE)), _tiny_requests())
+    engine = Engine.from_model(tiny_model, None, EngineConfig(mesh=mesh, **ENGINE))
+    got = _run(engine, _tiny_requests())
     _assert_same(got, tiny_want)
 
 
@@ -112,7 +114,7 @@ def test_data_parallel_engine_serves_a_mixed_workload_under_pressure(tiny_model,
     requests = _tiny_requests() * 2
     small = ENGINE | dict(num_pages=9)  # 8 usable pages a replica; the longest request needs 5
     want = tiny_want * 2
-    engine = Engine(tiny_model, None, EngineConfig(mesh="data=2", **small))
+    engine = Engine.from_model(tiny_model, None, EngineConfig(mesh="data=2", **small))
     placed = set()
     ids = [engine.add_request(prompt, params) for prompt, params in requests]
     finished = {}
@@ -131,7 +133,7 @@ def test_data_parallel_engine_serves_a_mixed_workload_under_pressure(tiny_model,
 
 def test_mesh_is_validated_before_anything_runs(tiny_model):
     with pytest.raises(ValueError, match="needs 16 devices"):
-        Engine(tiny_model, None, EngineConfig(mesh="data=4,model=4", **ENGINE))
+        Engine.from_model(tiny_model, None, EngineConfig(mesh="data=4,model=4", **ENGINE))
     with pytest.raises(ValueError, match="unknown|expected comma-separated"):
         EngineConfig(mesh="tensor=2")
     assert EngineConfig(mesh="model=2").mesh == "data=1,stage=1,model=2"
@@ -147,11 +149,11 @@ def test_checkpoint_saved_on_one_mesh_serves_identical_tokens_on_another(tiny_mo
             jax.device_put(nnx.split(prepared.model)[1], prepared.layout.params))})
     directory = save_checkpoint(sharded, None, tmp_path / "ckpt")
     requests = [(prompt, params) for prompt, params in _tiny_requests()[:4]]
-    want = _run(Engine(tiny_model, None, EngineConfig(**ENGINE)), requests)
+    want = _run(Engine.from_model(tiny_model, None, EngineConfig(**ENGINE)), requests)
     for mesh in ("data=2,model=4", None):
         restored = load_sharded(str(directory), mesh)
-        _assert_same(_run(Engine(restored.model, None, EngineConfig(mesh=mesh, **ENGINE)),
-                          requests), want)
+        engine = Engine.from_model(restored.model, None, EngineConfig(mesh=mesh, **ENGINE))
+        _assert_same(_run(engine, requests), want)
 
 
 @pytest.mark.slow
@@ -185,7 +187,7 @@ def test_a_weight_that_does_not_divide_is_replicated_with_a_warning(tiny_model):
     """tiny-llama's vocabulary (512) does not divide over model=3: the embedding is replicated,
     the user is told, and the tokens are still right."""
     requests = _tiny_requests()[:3]
-    want = _run(Engine(tiny_model, None, EngineConfig(**ENGINE)), requests)
+    want = _run(Engine.from_model(tiny_model, None, EngineConfig(**ENGINE)), requests)
     with pytest.warns(UserWarning, match=r"embed/embedding \(vocab\)"):
-        engine = Engine(tiny_model, None, EngineConfig(mesh="model=3", **ENGINE))
+        engine = Engine.from_model(tiny_model, None, EngineConfig(mesh="model=3", **ENGINE))
     _assert_same(_run(engine, requests), want)

@@ -96,7 +96,7 @@ def test_rejections_are_counted_by_reason():
 
 
 def test_a_served_workload_is_counted_exactly(tiny_model):
-    engine = Engine(tiny_model, None, EngineConfig(**SMALL))
+    engine = Engine.from_model(tiny_model, None, EngineConfig(**SMALL))
     scheduler, metrics = engine.scheduler, ServerMetrics("tiny")
     doomed = engine.add_request(_prompt(6, seed=9), _greedy(30))  # aborted after 2 tokens
     work = [(5, 6), (20, 4), (3, 1), (9, 7)]  # (prompt length, max_tokens); 20 is chunked
@@ -149,7 +149,7 @@ def test_a_served_workload_is_counted_exactly(tiny_model):
 
 
 def test_preemption_is_counted_and_recomputation_is_not(tiny_model):
-    engine = Engine(tiny_model, None, EngineConfig(**CRAMPED))
+    engine = Engine.from_model(tiny_model, None, EngineConfig(**CRAMPED))
     metrics = ServerMetrics("tiny")
     for seed in range(2):
         engine.add_request(_prompt(8, seed=seed), _greedy(20))

@@ -47,9 +47,9 @@ def test_predicted_ordering_gives_the_fcfs_tokens_with_fewer_preemptions(tiny_mo
     shortages and preempts; keeping pages for each request's known length does not."""
     requests = _requests(16)
     tight = TINY | dict(num_pages=13)
-    fcfs = Engine(tiny_model, None, EngineConfig(**tight))
-    predicted = Engine(tiny_model, None, EngineConfig(**tight, ordering="predicted"),
-                       runner=fcfs.runner)
+    fcfs = Engine.from_model(tiny_model, None, EngineConfig(**tight))
+    predicted = Engine.from_model(tiny_model, None, EngineConfig(**tight, ordering="predicted"),
+                                  runner=fcfs.runner)
     assert _serve(predicted, requests) == _serve(fcfs, requests)
     assert predicted.scheduler.num_preemptions < fcfs.scheduler.num_preemptions
 
@@ -57,7 +57,7 @@ def test_predicted_ordering_gives_the_fcfs_tokens_with_fewer_preemptions(tiny_mo
 def test_the_engine_teaches_its_predictor_and_loads_a_saved_one(tiny_model, tmp_path):
     """Outputs that end at EOS are logged as training samples (forced lengths teach nothing);
     a predictor saved after training is what a new engine predicts with."""
-    engine = Engine(tiny_model, None, EngineConfig(**TINY, ordering="predicted"))
+    engine = Engine.from_model(tiny_model, None, EngineConfig(**TINY, ordering="predicted"))
     predictor = engine.scheduler.predictor
     assert isinstance(predictor, LearnedPredictor)
     prompts = [prompt for prompt, _ in _requests(8)]
@@ -74,9 +74,9 @@ def test_the_engine_teaches_its_predictor_and_loads_a_saved_one(tiny_model, tmp_
     assert trained.retrain()
     path = tmp_path / "lengths.npz"
     trained.save(path)
-    loaded = Engine(tiny_model, None, EngineConfig(**TINY, ordering="predicted",
+    loaded = Engine.from_model(tiny_model, None, EngineConfig(**TINY, ordering="predicted",
                                                    length_predictor=str(path)),
-                    runner=engine.runner)
+                               runner=engine.runner)
     request_id = loaded.add_request(prompts[0], SamplingParams(max_tokens=80))
     got = loaded.scheduler.get(request_id).predicted_length
     features = extract_features(prompts[0], SamplingParams(max_tokens=80))

@@ -37,7 +37,7 @@ def _requests(vocab_size: int, count: int = 8, seed: int = 0) -> list:
 
 
 def _reference(model, requests):
-    return _run(Engine(model, None, EngineConfig(**ENGINE)), requests)
+    return _run(Engine.from_model(model, None, EngineConfig(**ENGINE)), requests)
 
 
 @pytest.mark.parametrize("preset,layers,mesh", [
@@ -52,7 +52,7 @@ def _reference(model, requests):
 def test_tokens_equal_one_device(preset, layers, mesh):
     model = _model(preset, num_layers=layers)
     requests = _requests(model.config.vocab_size)
-    engine = Engine(model, None, EngineConfig(mesh=mesh, **ENGINE))
+    engine = Engine.from_model(model, None, EngineConfig(mesh=mesh, **ENGINE))
     _assert_same(_run(engine, requests), _reference(model, requests))
     assert engine.stats.compiles_after_warmup <= 1  # the one pipeline program (no warm-up here)
 
@@ -61,7 +61,7 @@ def test_tokens_equal_one_device(preset, layers, mesh):
 def test_any_number_of_rounds_with_or_without_filling_gives_the_same_tokens(rounds, filling):
     model = _model(num_layers=3)
     requests = _requests(model.config.vocab_size, count=10, seed=1)
-    engine = Engine(model, None, EngineConfig(mesh="stage=3", pipeline_rounds=rounds,
+    engine = Engine.from_model(model, None, EngineConfig(mesh="stage=3", pipeline_rounds=rounds,
                                               bubble_filling=filling, **ENGINE))
     _assert_same(_run(engine, requests), _reference(model, requests))
 
@@ -83,7 +83,8 @@ def test_penalties_and_stop_ids_end_where_one_device_ends():
                                     logprobs=5)),
     ]
     want = _reference(model, requests)
-    engine = Engine(model, None, EngineConfig(mesh="stage=2", pipeline_rounds=5, **ENGINE))
+    engine = Engine.from_model(model, None,
+                               EngineConfig(mesh="stage=2", pipeline_rounds=5, **ENGINE))
     got = _run(engine, requests)
     _assert_same(got, want)
     assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
@@ -96,7 +97,7 @@ def test_preemption_and_aborts_keep_the_page_invariant():
     requests = _requests(model.config.vocab_size, count=12, seed=2)
     small = ENGINE | dict(num_pages=14)
     want = _reference(model, requests)
-    engine = Engine(model, None, EngineConfig(mesh="stage=2", **small))
+    engine = Engine.from_model(model, None, EngineConfig(mesh="stage=2", **small))
     got = _run(engine, requests)  # checks every allocator after every step
     _assert_same(got, want)
     assert engine.scheduler.num_preemptions > 0
@@ -118,16 +119,17 @@ def test_cached_prefixes_give_the_same_tokens_as_one_device_without_the_cache():
     requests = [(system + rng.integers(2, model.config.vocab_size, size=n).tolist(),
                  SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=5))
                 for n in (3, 9, 1, 14, 6)]
-    plain = Engine(model, None, EngineConfig(enable_prefix_caching=False, **ENGINE))
+    plain = Engine.from_model(model, None, EngineConfig(enable_prefix_caching=False, **ENGINE))
     want = _run(plain, requests[:1]) + _run(plain, requests[1:])
-    engine = Engine(model, None, EngineConfig(mesh="stage=2", pipeline_rounds=3, **ENGINE))
+    engine = Engine.from_model(model, None,
+                               EngineConfig(mesh="stage=2", pipeline_rounds=3, **ENGINE))
     got = _run(engine, requests[:1]) + _run(engine, requests[1:])
     _assert_same(got, want)
     assert engine.scheduler.num_cached_tokens >= 4 * 32
 
 
 def test_prompt_logprobs_are_refused_with_a_clear_message():
-    engine = Engine(_model(), None, EngineConfig(mesh="stage=2", **ENGINE))
+    engine = Engine.from_model(_model(), None, EngineConfig(mesh="stage=2", **ENGINE))
     with pytest.raises(ValueError, match="prompt_logprobs are not available with pipeline"):
         engine.add_request([1, 2, 3], SamplingParams(prompt_logprobs=2))
 
@@ -138,7 +140,7 @@ def test_bubble_filling_beats_the_plain_fill_drain_schedule():
     model = _model(num_layers=4)
 
     def utilisation(filling: bool) -> float:
-        engine = Engine(model, None, EngineConfig(mesh="stage=4", bubble_filling=filling,
+        engine = Engine.from_model(model, None, EngineConfig(mesh="stage=4", bubble_filling=filling,
                                                   **ENGINE))
         rng = np.random.default_rng(9)
         for i in range(2):
@@ -158,7 +160,7 @@ def test_bubble_filling_beats_the_plain_fill_drain_schedule():
 
 
 def test_stage_utilisation_is_exported():
-    engine = Engine(_model(num_layers=2), None, EngineConfig(mesh="stage=2", **ENGINE))
+    engine = Engine.from_model(_model(num_layers=2), None, EngineConfig(mesh="stage=2", **ENGINE))
     metrics = ServerMetrics("tiny")
     engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
     while engine.has_unfinished():
@@ -173,7 +175,7 @@ def test_stage_utilisation_is_exported():
 
 def test_the_compiled_call_permutes_per_tick_and_gathers_no_weight():
     model = _model(num_layers=4)
-    engine = Engine(model, None, EngineConfig(mesh="stage=2,model=2", **ENGINE))
+    engine = Engine.from_model(model, None, EngineConfig(mesh="stage=2,model=2", **ENGINE))
     runner = engine.runner
     schedule = build_schedule([], runner.shape)
     units = jax.device_put(runner.host_units(schedule), runner._units_sharding)

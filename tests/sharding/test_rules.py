@@ -210,7 +210,7 @@ def test_a_different_table_places_real_weights_and_keeps_the_logits():
     assert not q.sharding.is_fully_replicated
     reference = ModelRunner(model, _runner_config())
     plan = _decode_plan(config)
-    (got,), (want,) = runner.execute([plan]), reference.execute([plan])
+    (got,), (want,) = runner.run_step([plan]), reference.run_step([plan])
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_array_equal(got.top_ids, want.top_ids)
     np.testing.assert_allclose(got.top_logprobs, want.top_logprobs, atol=1e-5, rtol=0)
