@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -104,6 +104,16 @@ def empty_sub_batch(rows: int, width: int, num_pages: int, *,
     )
 
 
+class PlannedRow(NamedTuple):
+    """A row of a step that computes tokens: row `row` of sub-batch `batch`."""
+
+    batch: int
+    row: int
+    request_id: str
+    num_new: int
+    is_sampled: bool  # its sampled token is a real output (the prompt's last chunk, or a decode)
+
+
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
     """Everything one engine step computes. Prefill sub-batch first (if any), then decode.
@@ -131,6 +141,14 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(b.num_tokens for b in self.sub_batches)
+
+    def real_rows(self) -> Iterator[PlannedRow]:
+        """Every row that computes tokens, sub-batch by sub-batch; padding rows are left out."""
+        for i, (batch, ids, samples) in enumerate(zip(self.sub_batches, self.row_requests,
+                                                      self.row_samples)):
+            for r, request_id in enumerate(ids):
+                if batch.num_new[r]:
+                    yield PlannedRow(i, r, request_id, int(batch.num_new[r]), bool(samples[r]))
 
 
 @dataclasses.dataclass(frozen=True)

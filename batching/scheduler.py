@@ -165,18 +165,16 @@ class Scheduler:
         """
         assert len(tokens) == len(plan.sub_batches)
         touched = []
-        for batch, ids, samples, sampled in zip(plan.sub_batches, plan.row_requests,
-                                                plan.row_samples, tokens):
-            for request_id, num_new, is_sampled, token in zip(ids, batch.num_new, samples, sampled):
-                request = self._requests.get(request_id)
-                if num_new == 0 or request is None:  # a padding row, or aborted during the step
-                    continue
-                assert request.status is RequestStatus.RUNNING, request.status
-                request.num_computed_tokens += int(num_new)
-                self._register_full_pages(request)
-                if is_sampled:
-                    self._append_output(request, int(token))
-                    touched.append(request)
+        for row in plan.real_rows():
+            request = self._requests.get(row.request_id)
+            if request is None:  # aborted during the step
+                continue
+            assert request.status is RequestStatus.RUNNING, request.status
+            request.num_computed_tokens += row.num_new
+            self._register_full_pages(request)
+            if row.is_sampled:
+                self._append_output(request, int(tokens[row.batch][row.row]))
+                touched.append(request)
         return touched
 
     def finish(self, request_id: str, reason: RequestStatus | str,

@@ -253,21 +253,20 @@ class Engine:
         touched: dict[str, Stream] = {}
         eos = self.scheduler.config.eos_token_ids
         for plan, batches in zip(plans, results):
-            for ids, rows, samples, batch, sampling in zip(
-                    plan.row_requests, batches, plan.row_samples, plan.sub_batches, plan.sampling):
-                for r, request_id in enumerate(ids):
-                    stream = self._streams.get(request_id)
-                    if stream is None or batch.num_new[r] == 0 or not samples[r]:
-                        continue
-                    request, index = stream.request, int(sampling.steps[r])
-                    if index >= len(request.output_token_ids):
-                        continue  # generated after a stop: discarded
-                    self.scheduler.set_output(request, index, int(rows.tokens[r]))
-                    stream.record_token(rows, r)
-                    touched.setdefault(request_id, stream)
-                    stop = stop_status_at(request, index, eos)
-                    if stop is not None:
-                        self.scheduler.end_at(request, index + 1, *stop)
+            for row in plan.real_rows():
+                stream = self._streams.get(row.request_id)
+                if stream is None or not row.is_sampled:
+                    continue
+                rows, request = batches[row.batch], stream.request
+                index = int(plan.sampling[row.batch].steps[row.row])
+                if index >= len(request.output_token_ids):
+                    continue  # generated after a stop: discarded
+                self.scheduler.set_output(request, index, int(rows.tokens[row.row]))
+                stream.record_token(rows, row.row)
+                touched.setdefault(row.request_id, stream)
+                stop = stop_status_at(request, index, eos)
+                if stop is not None:
+                    self.scheduler.end_at(request, index + 1, *stop)
         return [self._output(stream) for stream in touched.values()]
 
     def _output(self, stream: Stream) -> RequestOutput:
@@ -279,15 +278,14 @@ class Engine:
         return stream.output()
 
     def _update(self, plan: StepPlan, results: list[SampledRows]) -> list[RequestOutput]:
-        for ids, rows, samples, batch in zip(plan.row_requests, results, plan.row_samples,
-                                             plan.sub_batches):
-            for r, request_id in enumerate(ids):
-                stream = self._streams.get(request_id)
-                if stream is None or batch.num_new[r] == 0:
-                    continue  # a padding row holding a finished request's seat
-                stream.record_prompt_logprobs(rows, r, batch)
-                if samples[r]:
-                    stream.record_token(rows, r)
+        for row in plan.real_rows():
+            stream = self._streams.get(row.request_id)
+            if stream is None:
+                continue  # aborted during the step
+            rows = results[row.batch]
+            stream.record_prompt_logprobs(rows, row.row, plan.sub_batches[row.batch])
+            if row.is_sampled:
+                stream.record_token(rows, row.row)
         touched = self.scheduler.update(plan, [rows.tokens for rows in results])
         return [self._output(self._streams[req.request_id]) for req in touched
                 if req.request_id in self._streams]
