@@ -131,11 +131,11 @@ class SchedulerConfig(SchedulingKnobs):
     plans by real token counts alone.
 
     `kv_watermark` is the fraction of a replica's pages admission keeps available for running
-    requests' growth (see the module docstring); `enable_prefix_caching` shares full prompt pages
+    requests' growth (the watermark rule: `batching/continuous.py`); `enable_prefix_caching` shares full prompt pages
     between requests with the same prefix (continuous policy only).
 
     `ordering` is how waiting requests are taken: "fcfs", or "predicted" (shortest predicted
-    first, with aging; see "Predicted ordering" in the module docstring). `reserve_quantile` is
+    first, with aging; the rules: `batching/ordering.py`). `reserve_quantile` is
     the quantile of each request's predicted output length that "predicted" keeps pages for, and
     `aging_tokens_per_step` how fast a waiting request's predicted cost shrinks while it waits.
 
