@@ -1,22 +1,22 @@
 """The gRPC server: `meshserve.v1.Generation`, plus standard health and reflection.
 
-Threads and queues:
+The engine loop (`meshserve.serving.loop`) owns the Engine on its one thread; this module is a
+front end on it, like the OpenAI-compatible HTTP app (`meshserve.serving.http_api`, started here
+with `http_port`, on the same loop):
 
-    RPC handler threads (grpc's pool)         engine-loop thread (one; owns the Engine)
-    ---------------------------------         -----------------------------------------
-    check auth, parse, tokenize               loop:
-    admission: bounded counters -> maybe        take every command from `commands`
-      RESOURCE_EXHAUSTED at once                  (add a request, abort one)
-    put AddCommand on `commands`  --------->    engine.step()
-    read own `outputs` queue      <---------    put each request's deltas on its queue
-    on cancel / disconnect / deadline:          abort requests past their deadline or the
-      put AbortCommand            --------->      max queue time
-    yield GenerateResponse                      publish a load snapshot for GetServerInfo
+    RPC handler threads (grpc's pool)         engine loop (`EngineLoop`)
+    ---------------------------------         --------------------------
+    check auth, parse, tokenize
+    EngineLoop.submit: admission counters ->  takes the add, runs engine.step(),
+      maybe RESOURCE_EXHAUSTED at once          puts each request's Deltas on its queue
+    read own `outputs` queue      <---------    then Finished (or Failed)
+    on cancel / disconnect / deadline:
+      EngineLoop.cancel           --------->    aborts at the next step
+    yield GenerateResponse
 
-Only the engine-loop thread touches the Engine, so the engine needs no locks. Handlers share
-with it only the `commands` queue, their own output queue, and the admission counters (guarded
-by one lock). A cancelled or disconnected stream, or one past its deadline, is aborted at the
-start of the next engine step, and its pages are free after it.
+A cancelled or disconnected stream, or one past its deadline, is aborted at the start of the next
+engine step, and its pages are free after it. The loop's refusal and failure kinds map to status
+codes in `_CODES`.
 
 Admission is bounded by queued requests and by queued prompt tokens. A request counts as queued
 from submission until the engine first schedules it, or until it ends. Past either bound the RPC
@@ -40,8 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
-import logging
-import queue
 import threading
 import time
 import uuid
@@ -56,21 +54,17 @@ from google.protobuf.message import DecodeError
 from grpc_reflection.v1alpha import reflection
 
 from meshserve.batching.config import knob
-from meshserve.batching.request import RequestStatus
 from meshserve.batching.sampling import SamplingParams
 from meshserve.serving.api import generation_pb2 as pb
 from meshserve.serving.api import generation_pb2_grpc as pb_grpc
-from meshserve.serving.engine import Engine, check_request_id
+from meshserve.serving.engine import Engine
+from meshserve.serving.loop import (Delta, EngineLoop, Failed, Limits, Refused, Submission,
+                                    checked_request_id)
 from meshserve.serving.metrics import ServerMetrics
-from meshserve.serving.outputs import CompletionOutput, RequestMetrics, RequestOutput
-
-log = logging.getLogger(__name__)
+from meshserve.serving.outputs import RequestOutput
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # meshserve.v1.Generation
-_IDLE_WAIT = 0.05  # seconds the loop blocks for a command when the engine has nothing to do
 _SAMPLING_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
-_SERVED_ENGINES: set[int] = set()  # ids of engines a running server owns
-_SERVED_LOCK = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -92,6 +86,8 @@ class ServerConfig:
     max_concurrent_streams: int = knob(512, "RPC handler threads")
     drain_timeout: float = knob(30.0, "seconds in-flight requests get after SIGTERM")
     metrics_port: int | None = knob(None, "serve Prometheus /metrics on this port")
+    http_port: int | None = knob(None, "also serve the OpenAI-compatible HTTP API on this port "
+                                       "(same host, api key and TLS); unset: gRPC only")
 
     def __post_init__(self):
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -115,6 +111,11 @@ class ServerConfig:
             raise ValueError(f"api key file {self.api_key_file} is empty")
         return key
 
+    def limits(self) -> Limits:
+        return Limits(max_queued_requests=self.max_queued_requests,
+                      max_queued_prompt_tokens=self.max_queued_prompt_tokens,
+                      max_queue_time=self.max_queue_time, max_prompt_tokens=self.max_prompt_tokens)
+
 
 class RpcError(Exception):
     """A failure that ends one RPC with `code` and a message for the client."""
@@ -124,73 +125,43 @@ class RpcError(Exception):
         self.code, self.message = code, message
 
 
-# -- What handlers and the engine loop exchange ---------------------------------------------------
-
-@dataclasses.dataclass
-class _Submission:
-    request_id: str
-    prompt_ids: list[int]
-    prompt_text: str | None
-    params: SamplingParams
-    priority: int
-    deadline: float | None  # time.monotonic() after which the request fails
-    outputs: queue.Queue = dataclasses.field(default_factory=queue.Queue)
-    is_queued: bool = True  # still counted by admission (not yet scheduled)
-    sent_tokens: int = 0
-    text: str = ""  # the output text streamed so far
+_CODES = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "duplicate": grpc.StatusCode.ALREADY_EXISTS,
+          "queue_full": grpc.StatusCode.RESOURCE_EXHAUSTED,
+          "draining": grpc.StatusCode.UNAVAILABLE, "unavailable": grpc.StatusCode.UNAVAILABLE,
+          "deadline": grpc.StatusCode.DEADLINE_EXCEEDED, "internal": grpc.StatusCode.INTERNAL}
 
 
-@dataclasses.dataclass(frozen=True)
-class _Delta:
-    token_ids: list[int]
-    text: str
-    logprobs: list[dict] | None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Finished:
-    output: RequestOutput
-
-
-@dataclasses.dataclass(frozen=True)
-class _Failed:
-    code: grpc.StatusCode
-    message: str
+def _rpc_error(refused: Refused) -> RpcError:
+    return RpcError(_CODES[refused.kind], refused.message)
 
 
 class GenerationServer:
+    """The process's server: the engine loop (`meshserve.serving.loop`), the gRPC front end, and
+    with `http_port` the OpenAI-compatible HTTP front end (`meshserve.serving.http_api`) on the
+    same loop."""
+
     def __init__(self, engine: Engine, config: ServerConfig = ServerConfig(), *,
                  metrics: ServerMetrics | None = None):
         self.engine, self.config = engine, config
         self.metrics = metrics or ServerMetrics(engine.model_config.name)
         self._api_key = config.resolved_api_key()
-        self._commands: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()
-        self._inflight: dict[str, _Submission] = {}  # guarded by _lock
-        self._queued_requests = 0  # guarded by _lock
-        self._queued_tokens = 0  # guarded by _lock
-        self._draining = False
-        self._stopped = threading.Event()
-        self._failed: BaseException | None = None
-        self._load = pb.Load()
+        self.loop = EngineLoop(engine, config.limits(), metrics=self.metrics)
+        self.loop.on_state(self._on_state)
         self._health = health.HealthServicer()
         self._grpc = self._build_grpc_server()
-        self._loop = threading.Thread(target=self._run_loop, name="engine-loop", daemon=True)
+        self.http = None  # the HTTP front end, with http_port
         self.port: int | None = None
+        self.http_port: int | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> int:
-        """Binds, starts serving and the engine loop; returns the bound port."""
-        with _SERVED_LOCK:
-            if id(self.engine) in _SERVED_ENGINES:
-                raise ValueError("this engine is already served by another GenerationServer; "
-                                 "an engine has one owner (give each server its own engine)")
-            _SERVED_ENGINES.add(id(self.engine))
+        """Binds, starts serving and the engine loop; returns the bound gRPC port."""
+        self.loop.start()
         try:
             return self._start()
         except BaseException:
-            self._release_engine()
+            self.loop.stop()
             raise
 
     def _start(self) -> int:
@@ -203,218 +174,69 @@ class GenerationServer:
             self.port = self._grpc.add_insecure_port(address)
         if self.port == 0:
             raise RuntimeError(f"could not bind {address}")
-        if self.engine.tokenizer is not None:
-            self.engine.tokenizer.max_token_chars  # noqa: B018 (computed once, before any request)
-        self._loop.start()
         self._grpc.start()
+        if self.config.http_port is not None:
+            from meshserve.serving.http_api import HttpServer  # only when asked: fastapi
+
+            self.http = HttpServer(self.loop, self.config, api_key=self._api_key)
+            self.http_port = self.http.start()
         if self.config.metrics_port is not None:
             self.metrics_port = self.metrics.start_http_server(self.config.metrics_port,
                                                                self.config.host)
-        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        self.loop.serving()
         return self.port
 
     def drain(self, timeout: float | None = None) -> None:
         """Stops admitting, lets in-flight requests finish (up to `timeout`), then stops."""
-        timeout = self.config.drain_timeout if timeout is None else timeout
-        with self._lock:
-            self._draining = True
-        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        end = time.monotonic() + timeout
-        while time.monotonic() < end and not self._stopped.is_set():
-            with self._lock:
-                if not self._inflight:
-                    break
-            time.sleep(0.02)
+        self.loop.drain(self.config.drain_timeout if timeout is None else timeout)
         self.stop()
 
     def stop(self, grace: float = 1.0) -> None:
-        """Aborts what is left and stops the engine loop and the gRPC server."""
-        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self._stopped.set()
-        if self._loop.is_alive() and threading.current_thread() is not self._loop:
-            self._loop.join()
-        self._fail_all(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
-        if self._failed is None:
-            self.engine.shutdown()  # frees the pages of whatever the drain left
+        """Aborts what is left and stops the engine loop and the front ends."""
+        self.loop.stop()
         self._grpc.stop(grace).wait()
+        if self.http is not None:
+            self.http.stop()
         if self.config.metrics_port is not None:
             self.metrics.stop_http_server()
-        self._release_engine()
 
     def peer_lost(self, error: BaseException) -> None:
         """A process of a multi-process job is gone: NOT_SERVING at once, and every open stream
         fails with UNAVAILABLE and the account of what was lost. The process exits next."""
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self._fail_all(grpc.StatusCode.UNAVAILABLE, str(error))
-
-    def _release_engine(self) -> None:
-        with _SERVED_LOCK:
-            _SERVED_ENGINES.discard(id(self.engine))
+        self.loop.fail_all("unavailable", str(error))
 
     def wait(self) -> bool:
         """Blocks until the server stops; True for a clean stop, False after an engine failure."""
-        self._stopped.wait()
+        is_clean = self.loop.wait()
         self._grpc.wait_for_termination()
-        return self._failed is None
+        if self.http is not None:
+            self.http.wait()
+        return is_clean
 
-    # -- the engine loop ----------------------------------------------------------------------
+    def _on_state(self, state: str) -> None:
+        self._set_health(health_pb2.HealthCheckResponse.SERVING if state == "serving"
+                         else health_pb2.HealthCheckResponse.NOT_SERVING)
+        if state == "failed":  # the loop thread: take the front ends down, never half-alive
+            threading.Thread(target=self._stop_front_ends, daemon=True).start()
 
-    def _run_loop(self) -> None:
-        try:
-            while not self._stopped.is_set():
-                changed = self._take_commands(block=not self.engine.has_unfinished())
-                changed |= self._expire()
-                if not self.engine.has_unfinished():
-                    if changed:  # the gauges after aborts; an idle loop changes nothing
-                        self.metrics.observe_step(self.engine, 0.0)
-                        self._publish_load()
-                    continue
-                started = time.perf_counter()
-                outputs = self.engine.step()
-                self.metrics.observe_step(self.engine, time.perf_counter() - started)
-                for output in outputs:
-                    self.metrics.observe_output(output)
-                    self._deliver(output)
-                self._update_queued()
-                self._publish_load()
-        except BaseException as err:  # noqa: BLE001 - any engine failure takes the server down
-            log.exception("the engine loop failed; the server is going down")
-            self._failed = err
-            self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-            self._fail_all(grpc.StatusCode.INTERNAL, f"the engine failed: {err!r}")
-            self._release_engine()
-            self._stopped.set()
-            threading.Thread(target=self._grpc.stop, args=(0,), daemon=True).start()
+    def _stop_front_ends(self) -> None:
+        self._grpc.stop(0)
+        if self.http is not None:
+            self.http.stop()
 
-    def _take_commands(self, *, block: bool) -> bool:
-        """Applies every queued command; False if there was none."""
-        try:
-            command = self._commands.get(timeout=_IDLE_WAIT) if block else self._commands.get_nowait()
-        except queue.Empty:
-            return False
-        while True:
-            kind, payload = command
-            if kind == "add":
-                self._add(payload)
-            else:
-                self._abort(payload)
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return True
-
-    def _add(self, sub: _Submission) -> None:
-        if sub.request_id not in self._inflight:
-            return  # cancelled before it reached the engine
-        try:
-            self.engine.add_request(sub.prompt_ids, sub.params, request_id=sub.request_id,
-                                    priority=sub.priority)
-        except ValueError as err:
-            self.metrics.observe_rejected("invalid")
-            self._finish_submission(sub, _Failed(grpc.StatusCode.INVALID_ARGUMENT, str(err)))
-
-    def _abort(self, request_id: str) -> None:
-        sub = self._inflight.get(request_id)
-        if sub is None:
-            return
-        request = self.engine.scheduler.get(request_id)
-        self.engine.abort(request_id)
-        if request is not None:
-            self.metrics.observe_aborted(request_id)
-        self._finish_submission(sub, _Finished(self._aborted_output(sub, request)))
-
-    def _expire(self) -> bool:
-        """Fails requests past their client deadline, or waiting past the max queue time;
-        False if none was."""
-        now = time.monotonic()
-        max_wait = self.config.max_queue_time
-        with self._lock:
-            subs = list(self._inflight.values())
-        expired = False
-        for sub in subs:
-            request = self.engine.scheduler.get(sub.request_id)
-            if request is None:
-                continue
-            if sub.deadline is not None and now > sub.deadline:
-                message = "the request's deadline passed"
-                self.metrics.observe_aborted(sub.request_id)
-            elif sub.is_queued and max_wait is not None and now - request.arrival_time > max_wait:
-                message = f"the request waited longer than the max queue time of {max_wait} s"
-                self.metrics.observe_rejected("deadline")  # it never ran: nothing to abort
-            else:
-                continue
-            self.engine.abort(sub.request_id)
-            self._finish_submission(sub, _Failed(grpc.StatusCode.DEADLINE_EXCEEDED, message))
-            expired = True
-        return expired
-
-    def _deliver(self, output: RequestOutput) -> None:
-        sub = self._inflight.get(output.request_id)
-        if sub is None:
-            return
-        completion = output.outputs[0]
-        new_tokens = completion.token_ids[sub.sent_tokens:]
-        new_text = completion.text[len(sub.text):]  # held-back text comes out at the end
-        logprobs = (completion.logprobs[sub.sent_tokens:len(completion.token_ids)]
-                    if completion.logprobs is not None else None)
-        if new_tokens or new_text:
-            sub.outputs.put(_Delta(list(new_tokens), new_text, logprobs))
-            sub.sent_tokens, sub.text = len(completion.token_ids), completion.text
-        if output.finished:
-            self._finish_submission(sub, _Finished(output))
-
-    def _update_queued(self) -> None:
-        with self._lock:
-            for sub in self._inflight.values():
-                if not sub.is_queued:
-                    continue
-                request = self.engine.scheduler.get(sub.request_id)
-                if request is not None and request.status is RequestStatus.RUNNING:
-                    self._release_queued(sub)
-
-    def _publish_load(self) -> None:
-        usage = self.engine.scheduler.kv_usage()
-        self._load = pb.Load(num_running=self.engine.scheduler.num_running,
-                             num_waiting=self.engine.scheduler.num_waiting,
-                             kv_cache_usage=usage.num_used_pages / max(usage.num_total_pages, 1))
-
-    def _finish_submission(self, sub: _Submission, last) -> None:
-        with self._lock:
-            if self._inflight.pop(sub.request_id, None) is None:
-                return
-            self._release_queued(sub)
-        sub.outputs.put(last)
-
-    def _release_queued(self, sub: _Submission) -> None:
-        """Caller holds _lock."""
-        if sub.is_queued:
-            sub.is_queued = False
-            self._queued_requests -= 1
-            self._queued_tokens -= len(sub.prompt_ids)
-
-    def _fail_all(self, code: grpc.StatusCode, message: str) -> None:
-        with self._lock:
-            subs = list(self._inflight.values())
-        for sub in subs:
-            self._finish_submission(sub, _Failed(code, message))
-
-    def _aborted_output(self, sub: _Submission, request) -> RequestOutput:
-        tokens = list(request.output_token_ids) if request is not None else []
-        return RequestOutput(
-            request_id=sub.request_id, prompt=sub.prompt_text, prompt_token_ids=sub.prompt_ids,
-            prompt_logprobs=None, finished=True, metrics=RequestMetrics(),
-            outputs=[CompletionOutput(index=0, text=sub.text, token_ids=tokens, logprobs=None,
-                                      finish_reason="abort")])
+    @property
+    def _inflight(self) -> int:
+        return self.loop.num_inflight()
 
     # -- handlers -----------------------------------------------------------------------------
 
-    def submit(self, request: pb.GenerateRequest, deadline: float | None) -> _Submission:
+    def submit(self, request: pb.GenerateRequest, deadline: float | None) -> Submission:
         """Validates and admits a request (handler side); raises RpcError to refuse it."""
-        with self._lock:
-            if self._draining or self._stopped.is_set():
-                self.metrics.observe_rejected("draining")
-                raise RpcError(grpc.StatusCode.UNAVAILABLE, "the server is draining; retry on "
-                               "another replica")
+        try:
+            self.loop.check_open()
+        except Refused as refused:
+            raise _rpc_error(refused) from None
         try:
             prompt_ids, prompt_text = self._prompt(request)
             params = self._sampling_params(request.sampling)
@@ -422,99 +244,50 @@ class GenerationServer:
         except RpcError:
             self.metrics.observe_rejected("invalid")
             raise
-        sub = _Submission(request_id=request_id, prompt_ids=prompt_ids, prompt_text=prompt_text,
-                          params=params, priority=request.priority, deadline=deadline)
-        with self._lock:
-            if request_id in self._inflight:
-                raise RpcError(grpc.StatusCode.ALREADY_EXISTS,
-                               f"request_id {request_id!r} is already in flight")
-            c = self.config
-            if self._queued_requests + 1 > c.max_queued_requests:
-                self.metrics.observe_rejected("queue_full")
-                raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"the queue is full ({self._queued_requests} requests waiting, "
-                               f"max_queued_requests={c.max_queued_requests}); retry later")
-            if self._queued_tokens + len(prompt_ids) > c.max_queued_prompt_tokens:
-                self.metrics.observe_rejected("queue_full")
-                raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"the queue is full ({self._queued_tokens} prompt tokens waiting, "
-                               f"max_queued_prompt_tokens={c.max_queued_prompt_tokens}); retry "
-                               f"later")
-            self._queued_requests += 1
-            self._queued_tokens += len(prompt_ids)
-            self._inflight[request_id] = sub
-        self._commands.put(("add", sub))
-        return sub
+        try:
+            return self.loop.submit(prompt_ids, params, prompt_text=prompt_text,
+                                    request_id=request_id, priority=request.priority,
+                                    deadline=deadline)
+        except Refused as refused:
+            raise _rpc_error(refused) from None
 
     def cancel(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self.loop.cancel(request_id)
 
     def is_inflight(self, request_id: str) -> bool:
-        with self._lock:
-            return request_id in self._inflight
+        return self.loop.is_inflight(request_id)
 
     def _sampling_params(self, message: pb.SamplingParams) -> SamplingParams:
         params = _sampling_params(message)
         try:
-            self.engine.check_params(params)
-        except ValueError as err:
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {err}") from None
+            self.loop.check_params(params, "sampling")
+        except Refused as refused:
+            raise _rpc_error(refused) from None
         return params
 
     def _prompt(self, request: pb.GenerateRequest) -> tuple[list[int], str | None]:
         kind = request.WhichOneof("prompt")
-        limit = self._max_prompt_tokens()
-        try:
-            ids, text = self._prompt_ids(request, kind, limit)
-        except ValueError as err:  # the tokenizer's or the chat template's refusal
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt.{kind}: {err}") from None
-        if not ids:
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt.{kind}: the prompt is empty")
-        vocab = self.engine.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"prompt.token_ids: {bad[0]} is outside the vocabulary [0, {vocab})")
-        if len(ids) > limit:
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"prompt.{kind}: {len(ids)} tokens exceed the max prompt length of "
-                           f"{limit}; shorten it (it is never truncated)")
-        return ids, text
-
-    def _max_prompt_tokens(self) -> int:
-        limit = self.engine.config.max_model_len - 1
-        if self.config.max_prompt_tokens is not None:
-            limit = min(limit, self.config.max_prompt_tokens)
-        return min(limit, self.config.max_queued_prompt_tokens)  # more could never be admitted
-
-    def _prompt_ids(self, request: pb.GenerateRequest, kind: str | None,
-                    limit: int) -> tuple[list[int], str | None]:
-        """The prompt's token ids and text. A text too long to fit in `limit` tokens is refused
-        by its length, before the tokenizer spends time on it."""
-        tokenizer = self.engine.tokenizer
         if kind is None:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                            "prompt: set one of text, token_ids or chat")
-        if kind in ("text", "chat") and tokenizer is None:
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"prompt.{kind}: this model has no tokenizer; send token_ids")
         if kind == "token_ids":
-            return list(request.token_ids.ids), None
-        if kind == "text":
-            _check_text_fits(len(request.text), limit, tokenizer.max_token_chars)
-            return tokenizer.encode(request.text, add_special_tokens=True), request.text
-        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-        if not messages:
-            raise ValueError("no messages")
-        _check_text_fits(sum(len(m.content) for m in request.chat.messages), limit,
-                         tokenizer.max_token_chars)
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return tokenizer.encode(text, add_special_tokens=True), text
+            value = list(request.token_ids.ids)
+        elif kind == "text":
+            value = request.text
+        else:
+            value = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        try:
+            return self.loop.encode_prompt(kind, value, f"prompt.{kind}")
+        except Refused as refused:
+            raise _rpc_error(refused) from None
 
     def server_info(self) -> pb.ServerInfo:
-        engine = self.engine
+        engine, load = self.engine, self.loop.load
         return pb.ServerInfo(model=engine.model_config.name, mesh=engine.config.mesh,
-                             max_model_len=engine.config.max_model_len, load=self._load,
+                             max_model_len=engine.config.max_model_len,
+                             load=pb.Load(num_running=load.num_running,
+                                          num_waiting=load.num_waiting,
+                                          kv_cache_usage=load.kv_cache_usage),
                              version=_version(), vocab_size=engine.model_config.vocab_size,
                              warmup_programs=engine.stats.warmup_compiles,
                              warmup_seconds=engine.stats.warmup_seconds,
@@ -562,9 +335,9 @@ class _Servicer(pb_grpc.GenerationServicer):
             self._on_done(sub.request_id)
         while True:
             item = sub.outputs.get()
-            if isinstance(item, _Failed):
-                context.abort(item.code, item.message)
-            if isinstance(item, _Delta):
+            if isinstance(item, Failed):
+                context.abort(_CODES[item.kind], item.message)
+            if isinstance(item, Delta):
                 yield pb.GenerateResponse(request_id=sub.request_id,
                                           chunk=_chunk(item, sub.params.logprobs))
                 continue
@@ -671,20 +444,10 @@ class _ParseInterceptor(grpc.ServerInterceptor):
 
 def _request_id(given: str) -> str:
     """The caller's id, checked (it is echoed in every message), or a fresh one."""
-    if not given:
-        return f"req-{uuid.uuid4().hex[:12]}"
     try:
-        check_request_id(given)
-    except ValueError as err:
-        raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
-    return given
-
-
-def _check_text_fits(num_chars: int, limit: int, max_token_chars: int) -> None:
-    if num_chars > limit * max_token_chars:
-        raise ValueError(f"{num_chars} characters cannot fit in the max prompt length of {limit} "
-                         f"tokens (one token is at most {max_token_chars} characters); shorten it "
-                         f"(it is never truncated)")
+        return checked_request_id(given, lambda: f"req-{uuid.uuid4().hex[:12]}")
+    except Refused as refused:
+        raise _rpc_error(refused) from None
 
 
 def _constant_time_equal(a: str, b: str) -> bool:
@@ -707,7 +470,7 @@ def _sampling_params(message: pb.SamplingParams) -> SamplingParams:
         raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {err}") from None
 
 
-def _chunk(delta: _Delta, num_top: int | None) -> pb.Chunk:
+def _chunk(delta: Delta, num_top: int | None) -> pb.Chunk:
     chunk = pb.Chunk(token_ids=delta.token_ids, text=delta.text)
     if delta.logprobs is not None:
         chunk.logprobs.extend(_logprobs(token, entry, num_top)
