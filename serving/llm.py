@@ -3,6 +3,8 @@
     llm = LLM(model="smollm2-135m-instruct", max_num_seqs=16)
     outputs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0.8, max_tokens=32))
     outputs = llm.chat([{"role": "user", "content": "Hi!"}])
+    for partial in llm.generate_stream("Once upon a time", SamplingParams(max_tokens=32)):
+        print(partial.outputs[0].text)                  # everything so far, as tokens arrive
 
     llm = LLM(model="smollm2-135m-instruct", mesh="data=2,model=4")  # or a MeshConfig
 
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from tqdm.auto import tqdm
 
@@ -80,6 +82,26 @@ class LLM:
             stream.send(wire.END_CALL, payloads=[wire.bytes_to_payload(pickle.dumps(outputs))])
             return outputs
         return self._follow_call(ids, digest)
+
+    def generate_stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None
+                        ) -> Iterator[RequestOutput]:
+        """One prompt's partial `RequestOutput`s as its tokens arrive (each holds everything so
+        far), the last one finished. Runs the engine in the caller's thread, like `generate`;
+        leaving the loop early aborts the request and frees its pages. For many requests at once
+        from asyncio, use `AsyncLLM`."""
+        if self.cluster is not None:
+            raise ValueError("generate_stream() runs on one process; use generate() on many")
+        request_id = self.engine.add_request(prompt, sampling_params)
+        finished = False
+        try:
+            while not finished:
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        finished = out.finished
+                        yield out
+        finally:
+            if not finished:
+                self.engine.abort(request_id)
 
     def _follow_call(self, ids: list[str], digest: tuple[int, ...]) -> list[RequestOutput]:
         """A follower's `generate`: its own requests only checked the arguments; it runs process

@@ -6,6 +6,7 @@ loaded on first use, so `import meshserve.batching` stays free of jax.
 
 _EXPORTS = {
     "LLM": "meshserve.serving.llm",
+    "AsyncLLM": "meshserve.serving.async_llm",
     "SamplingParams": "meshserve.batching.sampling",
     "EngineConfig": "meshserve.serving.config",
     "RequestOutput": "meshserve.serving.outputs",
