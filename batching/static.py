@@ -1,4 +1,4 @@
-"""Static batching: the fixed baseline of BENCHMARKS.md.
+"""Static batching: the fixed baseline of docs/benchmarks.md ("Baselines").
 
 Batches of up to `max_num_seqs` requests are formed in the scheduler's waiting order (under
 "predicted" ordering, grouped by length: see `batching/ordering.py`), reserving each request's

@@ -1,5 +1,5 @@
 """Benchmarks: the same seeded requests through the continuous engine and the static baseline,
-side by side in one process, as `../shared/BENCHMARKS.md` defines them.
+side by side in one process, as docs/benchmarks.md ("What is measured and how") defines them.
 
 Modes:
   offline   all requests at t=0, straight into the engine (`run_offline`);

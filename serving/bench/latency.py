@@ -1,4 +1,4 @@
-"""Client-side latency and throughput of an online run, as `../shared/BENCHMARKS.md` defines
+"""Client-side latency and throughput of an online run, as docs/benchmarks.md defines
 them (the vLLM `bench serve` definitions).
 
 Every time is a client clock reading (`time.perf_counter()`, seconds) and starts at the request's

@@ -35,7 +35,7 @@ The committed results were made with (the dataset first, then both evaluations):
         --workload jsonl:benchmarks/results/length-smollm2-dataset.jsonl \
         --out benchmarks/results/length-predictor-eval.json
 
-and the predictor and held-out prompts of the serving comparison in README with:
+and the predictor and held-out prompts of the serving comparison in docs/benchmarks.md ("Output-length prediction") with:
 
     python -m meshserve.serving.bench.length_eval \
         --workload jsonl:benchmarks/results/length-smollm2-dataset.jsonl \

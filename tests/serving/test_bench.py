@@ -1,4 +1,4 @@
-"""`meshserve bench` on the tiny model: both modes write what the README promises."""
+"""`meshserve bench` on the tiny model: both modes write what docs/benchmarks.md ("Output") promises."""
 
 import json
 
