@@ -127,17 +127,27 @@ class Submission:
     async def items(self) -> AsyncIterator[Delta | Finished | Failed]:
         """The items as they arrive, for one asyncio reader; ends after Finished or Failed."""
         aloop, arrived = asyncio.get_running_loop(), asyncio.Event()
-        self._wake = lambda: aloop.call_soon_threadsafe(arrived.set)
-        while True:
+
+        def wake() -> None:  # called from the engine-loop thread
             try:
-                item = self.outputs.get_nowait()
-            except queue.Empty:
-                await arrived.wait()
-                arrived.clear()
-                continue
-            yield item
-            if not isinstance(item, Delta):
-                return
+                aloop.call_soon_threadsafe(arrived.set)
+            except RuntimeError:  # the reader's event loop has closed: nobody is listening
+                pass
+
+        self._wake = wake
+        try:
+            while True:
+                try:
+                    item = self.outputs.get_nowait()
+                except queue.Empty:
+                    await arrived.wait()
+                    arrived.clear()
+                    continue
+                yield item
+                if not isinstance(item, Delta):
+                    return
+        finally:
+            self._wake = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,10 +251,10 @@ class EngineLoop:
                 self._once()
         except BaseException as err:  # noqa: BLE001 - any engine failure takes the server down
             log.exception("the engine loop failed; the server is going down")
-            self.failure = err
-            self._set_state("failed")
+            self.failure, self.state = err, "failed"  # admits nothing from here
             self.fail_all("internal", f"the engine failed: {err!r}")
             self._release_engine()
+            self._set_state("failed")  # after every request has its failure: front ends stop
             self._stopped.set()
 
     def _once(self) -> None:

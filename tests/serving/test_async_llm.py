@@ -3,6 +3,7 @@ exact tokens, partial outputs as tokens arrive, cancellation that frees pages, a
 bounds, with nothing compiled."""
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -69,7 +70,12 @@ def test_a_stream_grows_token_by_token(async_llm):
     assert all(a == b[:len(a)] for a, b in zip(partials, partials[1:]))
 
 
-def test_cancelling_the_task_aborts_the_request_and_frees_its_pages(async_llm):
+def test_cancelling_the_task_aborts_the_request_and_frees_its_pages():
+    engine = _engine()
+    step = engine.step
+    engine.step = lambda: (time.sleep(0.01), step())[1]  # 50 tokens take half a second
+    async_llm = AsyncLLM.from_engine(engine)
+
     async def main():
         seen = asyncio.Event()
 
@@ -83,8 +89,12 @@ def test_cancelling_the_task_aborts_the_request_and_frees_its_pages(async_llm):
         with pytest.raises(asyncio.CancelledError):
             await task
 
-    asyncio.run(main())
-    wait_for(lambda: _pages_free(async_llm.engine) and async_llm.loop.num_inflight() == 0)
+    try:
+        asyncio.run(main())
+        wait_for(lambda: _pages_free(engine) and async_llm.loop.num_inflight() == 0)
+        assert engine.stats.num_steps < 40  # aborted, not run to its end
+    finally:
+        async_llm.shutdown()
 
 
 def test_bad_input_raises_value_error_naming_the_field(async_llm):
