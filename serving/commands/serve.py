@@ -1,6 +1,7 @@
 """`meshserve serve`: the gRPC server (meshserve.v1.Generation): streaming Generate, Abort,
 GetServerInfo, health, reflection, admission control, drain on SIGTERM, Prometheus metrics
-(`--metrics-port`); on many hosts with --coordinator/--num-processes/--process-id
+(`--metrics-port`); with `--http-port`, the OpenAI-compatible HTTP API too, on the same engine
+loop (`meshserve.serving.http_api`); on many hosts with --coordinator/--num-processes/--process-id
 (`meshserve.serving.multihost`)."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from meshserve.serving import multihost, options
 from meshserve.serving.llm import LLM
 from meshserve.serving.server import GenerationServer, ServerConfig
 
-HELP = "the gRPC server (meshserve.v1.Generation)"
+HELP = "the gRPC server (meshserve.v1.Generation), and the OpenAI HTTP API with --http-port"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +44,9 @@ def run(args: argparse.Namespace) -> int:
     processes = "" if cluster is None else f", {cluster.num_processes} processes"
     print(f"meshserve: serving {llm.model_config.name} on {config.host}:{port} "
           f"(mesh {llm.engine.config.mesh}{processes})", flush=True)
+    if server.http_port is not None:
+        print(f"meshserve: OpenAI-compatible HTTP API on {config.host}:{server.http_port} "
+              f"(/v1/completions, /v1/chat/completions)", flush=True)
     drain = lambda *_: threading.Thread(target=server.drain, daemon=True).start()  # noqa: E731
     signal.signal(signal.SIGTERM, drain)
     signal.signal(signal.SIGINT, drain)

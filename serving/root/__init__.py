@@ -1,7 +1,7 @@
 """meshserve: LLM inference on JAX/XLA.
 
-The import root. `meshserve.LLM`, `meshserve.SamplingParams` and `meshserve.EngineConfig` are
-loaded on first use, so `import meshserve.batching` stays free of jax.
+The import root. `meshserve.LLM`, `meshserve.AsyncLLM`, `meshserve.SamplingParams` and
+`meshserve.EngineConfig` are loaded on first use, so `import meshserve.batching` stays free of jax.
 """
 
 _EXPORTS = {
