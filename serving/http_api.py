@@ -184,7 +184,8 @@ class _Api:
             raise _from_refused(refused) from None
         render = _Render(request_id, self.model, chat=chat, num_top=params.logprobs,
                          include_usage=bool((body.get("stream_options") or {})
-                                            .get("include_usage")))
+                                            .get("include_usage")),
+                         return_token_ids=_typed(body, "return_token_ids", bool, False))
         if _typed(body, "stream", bool, False):
             return StreamingResponse(self._events(sub, render), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -371,9 +372,10 @@ class _Render:
     """One request's response objects, whole or as stream chunks, in OpenAI's shapes."""
 
     def __init__(self, request_id: str, model: str, *, chat: bool, num_top: int | None,
-                 include_usage: bool):
+                 include_usage: bool, return_token_ids: bool = False):
         self.id, self.model, self.chat = request_id, model, chat
         self.num_top, self.include_usage = num_top, include_usage
+        self.return_token_ids = return_token_ids
         self.created = int(time.time())
         self.is_first = True
         self.num_chars = 0  # completions' text offset
@@ -392,13 +394,18 @@ class _Render:
             choice = {"index": 0, "text": completion.text, "logprobs": logprobs,
                       "finish_reason": completion.finish_reason}
             body = self._base("text_completion")
+        if self.return_token_ids:
+            choice["token_ids"] = list(completion.token_ids)
         return body | {"choices": [choice], "usage": usage(output)}
 
     def delta(self, delta: Delta) -> list[dict]:
         logprobs = self._logprobs(delta.token_ids, delta.logprobs)
-        if not delta.text and logprobs is None and not self.is_first:
+        if not (delta.text or logprobs or self.is_first or self.return_token_ids):
             return []
-        return [self._chunk(delta.text, logprobs, None)]
+        chunk = self._chunk(delta.text, logprobs, None)
+        if self.return_token_ids:
+            chunk["choices"][0]["token_ids"] = delta.token_ids
+        return [chunk]
 
     def finish(self, output: RequestOutput) -> list[dict]:
         chunks = [self._chunk("", None, output.outputs[0].finish_reason)]

@@ -199,19 +199,23 @@ def run_offline(engine: Engine, requests: list[BenchRequest], *,
 def run_online(engine: Engine, requests: list[BenchRequest], *, rate: float | None = None,
                burstiness: float = 1.0, concurrency: int | None = None,
                slos: latency.Slos | None = None, seed: int = 0,
-               progress: bool = False) -> dict[str, Any]:
-    """Serves `engine` on 127.0.0.1 and sends `requests` through the gRPC client on the given
-    arrival schedule; returns the client-side summary and the engine-side counters."""
+               progress: bool = False, frontend: str = "grpc") -> dict[str, Any]:
+    """Serves `engine` on 127.0.0.1 and sends `requests` through the gRPC client (or the
+    OpenAI-compatible HTTP API, `frontend="http"`) on the given arrival schedule; returns the
+    client-side summary and the engine-side counters."""
     server = GenerationServer(engine, ServerConfig(
-        port=0, max_queued_requests=max(256, len(requests)),
+        port=0, http_port=0 if frontend == "http" else None,
+        max_queued_requests=max(256, len(requests)),
         max_queued_prompt_tokens=max(1, sum(len(r.prompt_token_ids) for r in requests))))
     port = server.start()
+    if frontend == "http":
+        port = server.http_port
     before = dataclasses.replace(engine.stats)
     try:
         with _kv_sampler(engine) as kv:
             timings, wall = loadgen.run_online(f"127.0.0.1:{port}", requests, rate=rate,
                                                burstiness=burstiness, concurrency=concurrency,
-                                               seed=seed, progress=progress)
+                                               seed=seed, progress=progress, frontend=frontend)
     finally:
         server.stop()
     summary = latency.summarize(timings, wall_seconds=wall, slos=slos)

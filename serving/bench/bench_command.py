@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--burstiness", type=float, default=1.0,
                         help="online: gamma shape of the gaps; 1 is Poisson, < 1 burstier")
     parser.add_argument("--concurrency", type=int, default=None, help="online: max in flight")
+    parser.add_argument("--frontend", default="grpc", choices=("grpc", "http"),
+                        help="online: drive the gRPC server or the OpenAI-compatible HTTP API")
     parser.add_argument("--rates", type=_float_list, default=None,
                         help="online: sweep these request rates, e.g. 1,2,4")
     parser.add_argument("--concurrencies", type=_int_list, default=None,
@@ -113,7 +115,7 @@ def run(args: argparse.Namespace) -> None:
     online = {}
     if args.mode == "online":
         online = dict(rate=args.rate, burstiness=args.burstiness, concurrency=args.concurrency,
-                      slos=slos, seed=args.seed)
+                      slos=slos, seed=args.seed, frontend=args.frontend)
     engines = bench.make_engines(llm.engine.model, llm.engine.config)
     axis, values = (("rate", args.rates) if args.rates else
                     ("concurrency", args.concurrencies) if args.concurrencies else (None, None))
@@ -159,7 +161,9 @@ def run(args: argparse.Namespace) -> None:
 def _check_bench_args(args: argparse.Namespace) -> None:
     online_only = [flag for flag, given in (("--rates", args.rates),
                                             ("--concurrencies", args.concurrencies),
-                                            ("--find-max-rate", args.find_max_rate)) if given]
+                                            ("--find-max-rate", args.find_max_rate),
+                                            ("--frontend http", args.frontend == "http"))
+                   if given]
     if online_only and args.mode != "online":
         raise ValueError(f"{', '.join(online_only)} need --mode online")
     if args.rates and args.concurrencies:

@@ -20,12 +20,19 @@ Every request is sent as token ids with `BenchRequest.params()`: greedy, `max_to
 length and `ignore_eos` (unless it stops at EOS), so its output has exactly that length. Every request
 gets exactly one `RequestTiming`, in request order: a failed RPC is recorded with `error` set to
 its gRPC status-code name, and a stream that ends with finish_reason "abort" as "ABORTED".
+
+`frontend="http"` sends the same requests to the OpenAI-compatible HTTP API instead
+(`POST /v1/completions`, streamed, with `return_token_ids` so each chunk's tokens are counted),
+one connection per request, over a small HTTP/1.1 client on asyncio streams (no dependency beyond
+the standard library). An HTTP error is recorded under the gRPC name of its status
+(`_HTTP_ERRORS`), so both front ends' results read alike.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from typing import TYPE_CHECKING, Sequence
 
@@ -62,16 +69,21 @@ def arrival_times(n: int, rate: float | None, burstiness: float = 1.0,
 def run_online(target: str, requests: Sequence[BenchRequest], *, rate: float | None = None,
                burstiness: float = 1.0, concurrency: int | None = None, seed: int = 0,
                api_key: str | None = None, timeout: float | None = None,
-               progress: bool = False) -> tuple[list[RequestTiming], float]:
-    """Runs `requests` against the server at `target` ("host:port"); returns one RequestTiming
-    per request, in request order, and the wall seconds. `timeout` is each request's deadline
-    in seconds (None: none). Bad arguments raise ValueError before anything is sent; a failed
-    request never raises, it is recorded."""
+               progress: bool = False, frontend: str = "grpc"
+               ) -> tuple[list[RequestTiming], float]:
+    """Runs `requests` against the server at `target` ("host:port"; its gRPC port, or its HTTP
+    port with `frontend="http"`); returns one RequestTiming per request, in request order, and
+    the wall seconds. `timeout` is each request's deadline in seconds (None: none). Bad
+    arguments raise ValueError before anything is sent; a failed request never raises, it is
+    recorded."""
     if concurrency is not None and concurrency < 1:
         raise ValueError(f"concurrency must be >= 1 (or None for no cap), got {concurrency}")
+    if frontend not in ("grpc", "http"):
+        raise ValueError(f"frontend must be grpc or http, got {frontend!r}")
     arrivals = arrival_times(len(requests), rate, burstiness, seed)
-    return asyncio.run(_run(target, requests, arrivals, concurrency=concurrency,
-                            api_key=api_key, timeout=timeout, progress=progress))
+    run = _run if frontend == "grpc" else _run_http
+    return asyncio.run(run(target, requests, arrivals, concurrency=concurrency,
+                           api_key=api_key, timeout=timeout, progress=progress))
 
 
 async def _run(target: str, requests: Sequence[BenchRequest], arrivals: np.ndarray, *,
@@ -123,3 +135,126 @@ async def _send(stream: AsyncStream, prompt_tokens: int) -> RequestTiming:
         error = err.code.name
     return RequestTiming(send_time=send, chunk_times=tuple(times), chunk_tokens=tuple(tokens),
                          prompt_tokens=prompt_tokens, error=error)
+
+
+# -- the HTTP front end ---------------------------------------------------------------------------
+
+_HTTP_ERRORS = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND",
+                408: "DEADLINE_EXCEEDED", 409: "ALREADY_EXISTS", 429: "RESOURCE_EXHAUSTED",
+                500: "INTERNAL", 503: "UNAVAILABLE"}
+
+
+async def _run_http(target: str, requests: Sequence[BenchRequest], arrivals: np.ndarray, *,
+                    concurrency: int | None, api_key: str | None, timeout: float | None,
+                    progress: bool) -> tuple[list[RequestTiming], float]:
+    host, port = target.rsplit(":", 1)
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    bodies = [json.dumps(_http_body(r)).encode() for r in requests]
+    slots = asyncio.Semaphore(concurrency) if concurrency is not None else None
+    with contextlib.suppress(OSError, asyncio.TimeoutError):  # unreachable: every request fails
+        await asyncio.wait_for(_drain(_http_request(host, int(port), "GET", "/health", b"", {})),
+                               _CONNECT_TIMEOUT)
+    with tqdm(total=len(requests), desc="requests", unit="req", disable=not progress) as bar:
+        start = time.perf_counter()
+
+        async def one(index: int) -> RequestTiming:
+            await _sleep_until(start + float(arrivals[index]))
+            async with slots if slots is not None else contextlib.nullcontext():
+                timing = await _send_http(host, int(port), bodies[index], headers, timeout,
+                                          len(requests[index].prompt_token_ids))
+            bar.update(1)
+            return timing
+
+        timings = await asyncio.gather(*(one(i) for i in range(len(requests))))
+        wall = time.perf_counter() - start
+    return list(timings), wall
+
+
+async def _drain(request) -> None:
+    _, events = await request
+    async for _ in events:
+        pass
+
+
+def _http_body(request: BenchRequest) -> dict:
+    params = request.params()
+    return {"prompt": list(request.prompt_token_ids), "max_tokens": params.max_tokens,
+            "temperature": params.temperature, "ignore_eos": params.ignore_eos,
+            "stream": True, "return_token_ids": True}
+
+
+async def _send_http(host: str, port: int, body: bytes, headers: dict, timeout: float | None,
+                     prompt_tokens: int) -> RequestTiming:
+    times: list[float] = []
+    tokens: list[int] = []
+    error = None
+    send = time.perf_counter()
+
+    async def read() -> str | None:
+        status, events = await _http_request(host, port, "POST", "/v1/completions", body,
+                                             headers)
+        if status != 200:
+            async for _ in events:
+                pass
+            return _HTTP_ERRORS.get(status, f"HTTP_{status}")
+        async for event in events:
+            if "error" in event:
+                return str(event["error"].get("code") or "INTERNAL").upper()
+            for choice in event["choices"]:
+                if choice.get("token_ids"):
+                    times.append(time.perf_counter())
+                    tokens.append(len(choice["token_ids"]))
+                if choice.get("finish_reason") == "abort":
+                    return "ABORTED"
+        return None
+
+    try:
+        error = await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        error = "DEADLINE_EXCEEDED"
+    except OSError:
+        error = "UNAVAILABLE"
+    return RequestTiming(send_time=send, chunk_times=tuple(times), chunk_tokens=tuple(tokens),
+                         prompt_tokens=prompt_tokens, error=error)
+
+
+async def _http_request(host: str, port: int, method: str, path: str, body: bytes,
+                        headers: dict):
+    """(status, an async iterator over the SSE events' JSON bodies) of one HTTP/1.1 request on
+    its own connection."""
+    reader, writer = await asyncio.open_connection(host, port)
+    lines = [f"{method} {path} HTTP/1.1", f"Host: {host}:{port}", "Connection: close",
+             f"Content-Length: {len(body)}", *(f"{k}: {v}" for k, v in headers.items())]
+    writer.write(("\r\n".join(lines) + "\r\n\r\n").encode() + body)
+    await writer.drain()
+    status = int((await reader.readline()).split()[1])
+    is_chunked = False
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode().partition(":")
+        is_chunked |= (name.strip().lower() == "transfer-encoding"
+                       and "chunked" in value.lower())
+
+    async def pieces():
+        if not is_chunked:
+            yield await reader.read()
+            return
+        while size := int((await reader.readline()).split(b";")[0], 16):
+            yield await reader.readexactly(size)
+            await reader.readline()
+
+    async def events():
+        buffer = b""
+        try:
+            async for piece in pieces():
+                buffer += piece
+                while b"\n\n" in buffer:
+                    event, buffer = buffer.split(b"\n\n", 1)
+                    data = event.decode().removeprefix("data: ").strip()
+                    if data and data != "[DONE]":
+                        yield json.loads(data)
+        finally:
+            writer.close()
+
+    return status, events()

@@ -177,6 +177,21 @@ def test_64_concurrent_streams_with_random_disconnects_lose_nothing(fake):
     wait_for(lambda: _pages_free(fake), timeout=30)
 
 
+def test_the_load_generator_drives_the_http_front_end(fake):
+    from meshserve.serving.bench.bench import BenchRequest
+    from meshserve.serving.bench.loadgen import run_online
+
+    requests = [BenchRequest(prompt_token_ids=_prompt(200 + i, 3 + i), num_output_tokens=4 + i)
+                for i in range(12)]
+    timings, wall = run_online(f"127.0.0.1:{fake.http_port}", requests, rate=100.0, seed=1,
+                               timeout=60, frontend="http")
+    assert [t.error for t in timings] == [None] * 12 and wall > 0
+    assert [sum(t.chunk_tokens) for t in timings] == [r.num_output_tokens for r in requests]
+    bad = BenchRequest(prompt_token_ids=[VOCAB + 3], num_output_tokens=2)
+    timings, _ = run_online(f"127.0.0.1:{fake.http_port}", [bad], timeout=60, frontend="http")
+    assert timings[0].error == "INVALID_ARGUMENT"
+
+
 def test_a_client_that_disconnects_mid_stream_frees_its_pages(fake):
     conn, response = _open_stream(fake, {"prompt": _prompt(4), "max_tokens": 80,
                                          "logprobs": 0})
