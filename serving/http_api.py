@@ -46,6 +46,7 @@ from meshserve.serving.outputs import RequestOutput
 _STATUS = {"invalid": 400, "duplicate": 409, "queue_full": 429, "draining": 503,
            "unavailable": 503, "deadline": 408, "internal": 500}
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+          413: "invalid_request_error",
           408: "timeout_error", 409: "invalid_request_error", 429: "rate_limit_error",
           500: "server_error", 503: "service_unavailable"}
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -83,10 +84,12 @@ def _from_refused(refused: Refused, param: str | None = None) -> ApiError:
 
 # -- the app --------------------------------------------------------------------------------------
 
-def build_app(loop: EngineLoop, *, api_key: str | None = None) -> FastAPI:
-    """The ASGI app on `loop`; with `api_key`, /v1/* needs `Authorization: Bearer <key>`."""
+def build_app(loop: EngineLoop, *, api_key: str | None = None,
+              max_body_bytes: int = 4 << 20) -> FastAPI:
+    """The ASGI app on `loop`; with `api_key`, /v1/* needs `Authorization: Bearer <key>`. A
+    body over `max_body_bytes` is refused with 413."""
     app = FastAPI(title="meshserve", docs_url=None, redoc_url=None, openapi_url=None)
-    api = _Api(loop, api_key)
+    api = _Api(loop, api_key, max_body_bytes)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, err: ApiError) -> JSONResponse:
@@ -103,8 +106,9 @@ def build_app(loop: EngineLoop, *, api_key: str | None = None) -> FastAPI:
 
 
 class _Api:
-    def __init__(self, loop: EngineLoop, api_key: str | None):
+    def __init__(self, loop: EngineLoop, api_key: str | None, max_body_bytes: int):
         self.loop, self.engine = loop, loop.engine
+        self.max_body_bytes = max_body_bytes
         self.model = loop.engine.model_config.name
         self.created = int(time.time())
         self._expected = None if api_key is None else f"Bearer {api_key}".encode()
@@ -124,14 +128,14 @@ class _Api:
 
     async def completions(self, request: Request):
         self._authorize(request)
-        body = await _json_body(request)
+        body = await _json_body(request, self.max_body_bytes)
         self._check_common(body, chat=False)
         kind, value = _completion_prompt(body.get("prompt"))
         return await self._serve(request, body, kind, value, "prompt", chat=False)
 
     async def chat_completions(self, request: Request):
         self._authorize(request)
-        body = await _json_body(request)
+        body = await _json_body(request, self.max_body_bytes)
         self._check_common(body, chat=True)
         return await self._serve(request, body, "chat", _messages(body.get("messages")),
                                  "messages", chat=True)
@@ -291,9 +295,17 @@ async def _last(sub: Submission):
 
 # -- the request body ---------------------------------------------------------------------------
 
-async def _json_body(request: Request) -> dict:
+async def _json_body(request: Request, max_bytes: int) -> dict:
+    size = 0
+    chunks = []
+    async for chunk in request.stream():  # counted as it comes: a huge body is never held
+        size += len(chunk)
+        if size > max_bytes:
+            raise ApiError(413, f"the request body is over {max_bytes} bytes "
+                                f"(--max-message-bytes)", code="body_too_large")
+        chunks.append(chunk)
     try:
-        body = json.loads(await request.body())
+        body = json.loads(b"".join(chunks))
     except (ValueError, UnicodeDecodeError) as err:
         raise _invalid(None, f"the request body is not valid JSON: {err}") from None
     if not isinstance(body, dict):
@@ -482,15 +494,17 @@ def _sse(body: dict) -> str:
 
 class HttpServer:
     """uvicorn serving `build_app` on its own thread: binds `config.host`:`config.http_port`
-    (0 picks a free one), with TLS from `config.tls_cert` and `config.tls_key`."""
+    (0 picks a free one), with TLS from `config.tls_cert` and `config.tls_key`, bodies up to
+    `config.max_message_bytes`, and at most `config.max_concurrent_streams` connections at once
+    (uvicorn answers 503 past it)."""
 
     def __init__(self, loop: EngineLoop, config, *, api_key: str | None = None):
         self.config = config
-        self.app = build_app(loop, api_key=api_key)
+        self.app = build_app(loop, api_key=api_key, max_body_bytes=config.max_message_bytes)
         self._uvicorn = uvicorn.Server(uvicorn.Config(
             self.app, log_level="warning", access_log=False, lifespan="off",
             ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key,
-            timeout_graceful_shutdown=2))
+            limit_concurrency=config.max_concurrent_streams, timeout_graceful_shutdown=2))
         self._thread: threading.Thread | None = None
         self.port: int | None = None
 

@@ -240,6 +240,8 @@ def test_chat_errors_name_their_fields(fake):
     conn.request("POST", "/v1/completions", b"{not json", {"Content-Type": "application/json"})
     assert conn.getresponse().status == 400
     conn.close()
+    status, _, answer = _post(fake, "/v1/completions", {"prompt": "x" * (5 << 20)})
+    assert status == 413 and "--max-message-bytes" in answer["error"]["message"]
 
 
 def test_an_api_key_is_required_as_a_bearer_token_on_v1_only(tmp_path):
