@@ -221,7 +221,9 @@ class GenerationServer:
             threading.Thread(target=self._stop_front_ends, daemon=True).start()
 
     def _stop_front_ends(self) -> None:
-        self._grpc.stop(0)
+        # Every open request already holds its failure: the grace lets handlers send it, where
+        # stop(0) would cancel them first
+        self._grpc.stop(1.0)
         if self.http is not None:
             self.http.stop()
 
