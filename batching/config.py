@@ -131,12 +131,12 @@ class SchedulerConfig(SchedulingKnobs):
     plans by real token counts alone.
 
     `kv_watermark` is the fraction of a replica's pages admission keeps available for running
-    requests' growth (the watermark rule: `batching/continuous.py`); `enable_prefix_caching` shares full prompt pages
-    between requests with the same prefix (continuous policy only).
+    requests' growth (the watermark rule: `batching/continuous.py`); `enable_prefix_caching`
+    shares full prompt pages between requests with the same prefix (continuous policy only).
 
     `ordering` is how waiting requests are taken: "fcfs", or "predicted" (shortest predicted
-    first, with aging; the rules: `batching/ordering.py`). `reserve_quantile` is
-    the quantile of each request's predicted output length that "predicted" keeps pages for, and
+    first, with aging; the rules: `batching/ordering.py`). `reserve_quantile` is the quantile of
+    each request's predicted output length that "predicted" keeps pages for, and
     `aging_tokens_per_step` how fast a waiting request's predicted cost shrinks while it waits.
 
     `step_buckets`, when given, are the token counts a runner pads a whole step to (the ragged
@@ -172,26 +172,6 @@ class SchedulerConfig(SchedulingKnobs):
     def admission_lookahead(self) -> int:
         """How far past the head of the queue admission looks for same-bucket requests."""
         return 2 * self.max_num_seqs
-
-    def _check_sizes(self) -> None:
-        if not _is_int(self.num_pages) or self.num_pages < 2:
-            raise ValueError(f"num_pages must be an int >= 2 (page 0 is the reserved dummy page), "
-                             f"got {self.num_pages!r}")
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk",
-                     "max_model_len"):
-            value = getattr(self, name)
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-
-    def _check_budget(self) -> None:
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-                f"({self.max_num_seqs}), so that every running request can decode each step")
-        if self.prefill_chunk > self.max_num_batched_tokens:
-            raise ValueError(
-                f"prefill_chunk ({self.prefill_chunk}) must be <= max_num_batched_tokens "
-                f"({self.max_num_batched_tokens}); lower prefill_chunk or raise the budget")
 
     def _normalise_buckets(self) -> None:
         buckets = self.token_buckets

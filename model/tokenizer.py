@@ -263,18 +263,9 @@ def compile_chat_template(source: str) -> jinja2.Template:
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def is_valid_unicode(text: str) -> bool:
-    """False if `text` holds a lone surrogate: such a str has no UTF-8 form, so no tokenizer,
-    wire format or decoded output can carry it."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def check_text(text: str, name: str) -> None:
-    """Fail, naming `name`, unless `text` is valid Unicode."""
+    """Fail, naming `name`, if `text` holds a lone surrogate: such a str has no UTF-8 form, so no
+    tokenizer, wire format or decoded output can carry it."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:

@@ -32,7 +32,7 @@ from meshserve.model.hub import cache_root
 from meshserve.batching.runner import Runner, SampledRows, StepRunner
 from meshserve.model.runner import CompileCounter, ModelRunner, enable_compilation_cache
 from meshserve.model.pipeline import PipelineRunner
-from meshserve.model.tokenizer import Tokenizer, is_valid_unicode
+from meshserve.model.tokenizer import Tokenizer, check_text
 from meshserve.serving.config import EngineConfig
 from meshserve.serving.multihost import payload_sizes
 from meshserve.serving.outputs import RequestOutput
@@ -376,9 +376,7 @@ def check_stop_strings(stop: Sequence[str]) -> None:
         if len(s) > MAX_STOP_STRING_CHARS:
             raise ValueError(f"stop: a stop string of {len(s)} characters is too long: at most "
                              f"{MAX_STOP_STRING_CHARS}")
-        if not is_valid_unicode(s):
-            raise ValueError("stop: a stop string holds a lone surrogate, which no decoded text "
-                             "can contain; send valid Unicode")
+        check_text(s, "stop: a stop string")
 
 
 def _has_penalty(plan: StepPlan) -> bool:
