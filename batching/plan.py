@@ -259,10 +259,10 @@ def _history(rows: Sequence[Row]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _banned_ids(params: Sequence[SamplingParams], eos_token_ids: Sequence[int]) -> np.ndarray:
-    """The ids the device masks while a row is below min_tokens: stop ids, and EOS unless ignored
-    ([B, E], right-padded with -1)."""
-    ids = [list(dict.fromkeys(p.stop_token_ids + (() if p.ignore_eos else tuple(eos_token_ids))))
-           for p in params]
+    """The ids the device masks while a row is below min_tokens: stop ids and EOS ([B, E],
+    right-padded with -1). EOS is masked even with `ignore_eos`, as vLLM does: `ignore_eos` says
+    EOS ends nothing, `min_tokens` that none comes before it."""
+    ids = [list(dict.fromkeys(p.stop_token_ids + tuple(eos_token_ids))) for p in params]
     banned = np.full((len(ids), max(1, max(len(i) for i in ids))), -1, np.int32)
     for row, row_ids in enumerate(ids):
         banned[row, :len(row_ids)] = row_ids

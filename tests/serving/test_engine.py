@@ -308,6 +308,15 @@ def test_min_tokens_defers_eos(cold_engine, eos_probe):
     assert eos not in got[:k + 2] and len(got) >= k + 2
 
 
+def test_min_tokens_masks_eos_even_with_ignore_eos(cold_engine, eos_probe):
+    """As in vLLM: ignore_eos lets EOS end nothing, and min_tokens still keeps it out before."""
+    prompt, tokens, k, eos = eos_probe
+    (out,) = _run(cold_engine, [(prompt, _greedy(10, min_tokens=k + 2))])
+    got = out.outputs[0].token_ids
+    assert got[:k] == tokens[:k] and len(got) == 10
+    assert eos not in got[:k + 2]
+
+
 # -- logprobs --------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
