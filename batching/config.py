@@ -26,7 +26,8 @@ DEFAULT_KV_WATERMARK = 0.08
 def knob(default: Any, help: str, *, compile: bool = False, **metadata: Any) -> Any:
     """A config field declared with its help text; `compile=True` marks a knob that changes
     compiled shapes (a new value costs a recompile). Extra metadata: `aliases` (more flag
-    names), `metavar`, `choices`, and `flag=False` for a field the command line leaves out."""
+    names), `metavar`, `choices`, `nargs` (a tuple field: one or more values), and `flag=False`
+    for a field the command line leaves out."""
     return dataclasses.field(default=default,
                              metadata={"help": help, "compile": compile, **metadata})
 

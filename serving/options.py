@@ -40,7 +40,10 @@ def help_text(field: dataclasses.Field) -> str:
     if meta.get("choices"):
         text += f"; one of {', '.join(meta['choices'])}"
     notes = ["compile"] if meta.get("compile") else []
-    return f"{text} ({'; '.join(notes + ['default: %(default)s'])})"
+    default = "%(default)s"
+    if isinstance(field.default, tuple):  # a list flag: its values as they are typed
+        default = " ".join(field.default) or "none"
+    return f"{text} ({'; '.join(notes + ['default: ' + default])})"
 
 
 def add_config_args(parser: argparse.ArgumentParser, cls, *, title: str | None = None,
@@ -56,12 +59,13 @@ def add_config_args(parser: argparse.ArgumentParser, cls, *, title: str | None =
             group.add_argument(*flags, action=argparse.BooleanOptionalAction, **common)
         else:
             group.add_argument(*flags, type=kind, metavar=field.metadata.get("metavar"),
-                               **common)
+                               nargs=field.metadata.get("nargs"), **common)
     return group
 
 
 def _scalar_type(hint) -> type:
-    """`int` for `int` and `int | None`; `str` for `str | MeshConfig | None`."""
+    """`int` for `int` and `int | None`; `str` for `str | MeshConfig | None` and for
+    `tuple[str, ...]` (a list flag, `nargs` in its metadata)."""
     options = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
     return options[0]
 

@@ -88,20 +88,45 @@ class ServerConfig:
     metrics_port: int | None = knob(None, "serve Prometheus /metrics on this port")
     http_port: int | None = knob(None, "also serve the OpenAI-compatible HTTP API on this port "
                                        "(same host, api key and TLS); unset: gRPC only")
+    served_model_name: tuple[str, ...] = knob(
+        (), "the names the HTTP API serves the model under (responses carry the one asked for, "
+            "else the first); unset: the --model value as given", nargs="+", metavar="NAME")
+    max_header_bytes: int = knob(64 << 10, "largest HTTP request head (request line and "
+                                           "headers); past it 431")
+    allowed_origins: tuple[str, ...] = knob(
+        (), "browser origins that may call the HTTP API (CORS), * for any; unset: none",
+        nargs="+", metavar="ORIGIN")
+    allowed_methods: tuple[str, ...] = knob(("*",), "HTTP methods CORS allows those origins",
+                                            nargs="+", metavar="METHOD")
+    allowed_headers: tuple[str, ...] = knob(("*",), "request headers CORS allows those origins",
+                                            nargs="+", metavar="HEADER")
+    allow_credentials: bool = knob(False, "CORS: let those origins send cookies and "
+                                          "Authorization")
 
     def __post_init__(self):
+        for name in ("served_model_name", "allowed_origins", "allowed_methods",
+                     "allowed_headers"):
+            self._check_names(name)
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both --tls-cert and --tls-key")
         if self.api_key is not None and self.api_key_file is not None:
             raise ValueError("give --api-key or --api-key-file, not both")
         for name in ("max_queued_requests", "max_queued_prompt_tokens", "max_message_bytes",
-                     "max_concurrent_streams"):
+                     "max_concurrent_streams", "max_header_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
         if self.max_queue_time is not None and self.max_queue_time <= 0:
             raise ValueError(f"max_queue_time must be > 0, got {self.max_queue_time}")
+
+    def _check_names(self, name: str) -> None:
+        """A list field (a tuple; a list from the command line is taken) of non-empty strings."""
+        value = getattr(self, name)
+        value = (value,) if isinstance(value, str) else tuple(value)
+        if not all(isinstance(v, str) and v for v in value):
+            raise ValueError(f"{name} must hold non-empty strings, got {value!r}")
+        object.__setattr__(self, name, value)
 
     def resolved_api_key(self) -> str | None:
         if self.api_key_file is None:

@@ -7,6 +7,7 @@ loop (`meshserve.serving.http_api`); on many hosts with --coordinator/--num-proc
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import sys
 import threading
@@ -31,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     In a multi-process job only process 0 serves; the others follow its plan stream
     (`follow`) until it stops them.
     """
-    config = options.dataclass_from_args(ServerConfig, args)
+    config = served_under_model_name(options.dataclass_from_args(ServerConfig, args), args.model)
     cluster_config = options.cluster_config_from_args(args)
     llm = options.load_llm(args, needs_tokenizer=False, cluster=cluster_config)
     cluster = llm.cluster
@@ -46,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
           f"(mesh {llm.engine.config.mesh}{processes})", flush=True)
     if server.http_port is not None:
         print(f"meshserve: OpenAI-compatible HTTP API on {config.host}:{server.http_port} "
-              f"(/v1/completions, /v1/chat/completions)", flush=True)
+              f"(/v1/completions, /v1/chat/completions), model "
+              f"{', '.join(repr(n) for n in config.served_model_name)}", flush=True)
     drain = lambda *_: threading.Thread(target=server.drain, daemon=True).start()  # noqa: E731
     signal.signal(signal.SIGTERM, drain)
     signal.signal(signal.SIGINT, drain)
@@ -62,6 +64,14 @@ def run(args: argparse.Namespace) -> int:
         print("meshserve: error: the engine failed; see the log above", file=sys.stderr,
               flush=True)
     return 1
+
+
+def served_under_model_name(config: ServerConfig, model: str) -> ServerConfig:
+    """`config`, serving the model under the name the user gave with --model (as vLLM does)
+    unless --served-model-name gave names."""
+    if config.served_model_name:
+        return config
+    return dataclasses.replace(config, served_model_name=(model,))
 
 
 def follow(llm: LLM, cluster: multihost.Cluster) -> int:
