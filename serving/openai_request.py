@@ -13,8 +13,8 @@ endpoints that take it and its verdict:
 A field in no row, or one sent to an endpoint its row does not list, is refused too: a client
 never gets a 200 for something that was not done. `docs/server.md` prints this table
 (`markdown_table()`, or `python -m meshserve.serving.openai_request`); a test keeps the two
-equal. Making a refused field honoured is a change of its row: a verdict, a check, and what
-`parse_request` does with the value.
+equal. Making a refused field honoured is a change of its row (its verdict and check) and of
+`_build`, which puts the value into the `OpenAIRequest` (`_BUILT` lists what it reads).
 
 `parse_request(body, endpoint)` checks every field of the body and returns an `OpenAIRequest`, or
 raises `RequestError` naming the first field that cannot be served. The checks that need the
@@ -340,6 +340,14 @@ FIELDS: tuple[Field, ...] = (
 )
 FIELDS_BY_NAME: dict[str, Field] = {f.name: f for f in FIELDS}
 assert len(FIELDS_BY_NAME) == len(FIELDS), "a field has two rows"
+
+# The honoured fields `_build` reads, besides those that set a `SamplingParams` field: a row made
+# honoured needs its use in `_build` and its name here, or it would be taken and do nothing.
+_BUILT = ("model", "prompt", "messages", "max_tokens", "max_completion_tokens", "logprobs",
+          "top_logprobs", "stream", "stream_options", "return_token_ids",
+          "return_tokens_as_token_ids", "priority", "request_id")
+assert {f.name for f in FIELDS if f.verdict == "honoured" and not f.sampling} == set(_BUILT), (
+    "an honoured field that _build does not use, or a used one not honoured")
 
 
 def markdown_table() -> str:

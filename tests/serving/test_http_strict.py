@@ -291,6 +291,25 @@ def test_refused_fields_run_nothing_on_either_endpoint(fake):
     assert fake.engine.runner.num_executed == runs
 
 
+def test_every_honoured_completions_field_is_served(fake):
+    """All at once, on the arithmetic runner (which samples greedily by its rule, so the tokens
+    are known); stop strings need a tokenizer, which it has not."""
+    prompt = [2, 7, 1, 8]
+    body = {"model": "arith-2", "prompt": prompt, "max_tokens": 6, "temperature": 0.5,
+            "top_p": 0.9, "presence_penalty": 0.1, "frequency_penalty": 0.1, "seed": 3,
+            "logprobs": 1, "stream": False, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1,
+            "stop_token_ids": [0], "ignore_eos": True, "min_tokens": 1, "prompt_logprobs": 1,
+            "return_token_ids": True, "return_tokens_as_token_ids": True, "priority": -1,
+            "request_id": "all", "user": "u"}
+    served = {f.name for f in FIELDS if f.verdict != "refused" and "completions" in f.endpoints}
+    assert served - set(body) == {"stop", "stream_options"}
+    status, _, answer = _post(fake.http_port, "/v1/completions", body)
+    assert status == 200, answer
+    choice = answer["choices"][0]
+    assert choice["token_ids"] == reference_outputs(prompt, 6) and answer["id"] == "cmpl-all"
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+
+
 @pytest.mark.parametrize("body,param,code", [
     ({"prompt": [1], "colour": "red"}, "colour", "unknown_parameter"),
     ({"prompt": [1], "messages": []}, "messages", "unknown_parameter"),
