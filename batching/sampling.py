@@ -26,6 +26,7 @@ import numpy as np
 
 MAX_LOGPROBS = 20  # most top logprobs a request may ask for, per token
 MAX_SEED = 2**32  # seeds are uint32 on the device
+MAX_TOP_K = 2**31 - 1  # top_k is int32 on the device; any value past the vocabulary is all of it
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -78,6 +79,8 @@ class SamplingParams:
         _require(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
         _check_int("top_k", self.top_k)
         _require(self.top_k >= -1, f"top_k must be >= 1, or 0 or -1 for off, got {self.top_k}")
+        _require(self.top_k <= MAX_TOP_K, f"top_k must be at most {MAX_TOP_K} (a value past the "
+                                          f"vocabulary takes all of it), got {self.top_k}")
         self._set("top_k", max(self.top_k, 0))
         self._set("top_p", _as_float("top_p", self.top_p))
         _require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")

@@ -409,7 +409,8 @@ def test_stop_ids_are_banned_below_min_tokens():
         s.add(make_request(name, 4, **params))
     (sampling,) = s.schedule().sampling
     assert sampling.min_tokens.tolist() == [4, 0, 1]
-    assert sampling.banned_ids.tolist() == [[9, 2, 3], [-1, -1, -1], [-1, -1, -1]]
+    # EOS is banned whatever ignore_eos says (it only means EOS ends nothing); below min_tokens only
+    assert sampling.banned_ids.tolist() == [[9, 2, 3], [2, 3, -1], [2, 3, -1]]
     assert sampling.banned_ids.dtype == np.int32
 
 

@@ -321,6 +321,7 @@ def test_every_honoured_completions_field_is_served(fake):
      "stream_options.usage", "unknown_parameter"),
     ({"prompt": [1], "prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "invalid_value"),
     ({"prompt": [1], "max_tokens": 4, "min_tokens": 5}, "min_tokens", "invalid_value"),
+    ({"prompt": [1], "top_k": 2**40}, "top_k", "invalid_value"),  # once took the engine down
     ({"prompt": [1], "request_id": "a\nb"}, "request_id", "invalid_value"),
     ({"prompt": [1], "model": "gpt-4"}, "model", "model_not_found"),
 ])
