@@ -341,6 +341,8 @@ FIELDS: tuple[Field, ...] = (
 FIELDS_BY_NAME: dict[str, Field] = {f.name: f for f in FIELDS}
 assert len(FIELDS_BY_NAME) == len(FIELDS), "a field has two rows"
 
+_SAMPLING = tuple(f for f in FIELDS if f.sampling)
+
 # The honoured fields `_build` reads, besides those that set a `SamplingParams` field: a row made
 # honoured needs its use in `_build` and its name here, or it would be taken and do nothing.
 _BUILT = ("model", "prompt", "messages", "max_tokens", "max_completion_tokens", "logprobs",
@@ -441,24 +443,23 @@ def _depth(value: Any) -> int:
 
 
 def parse_request(body: dict, endpoint: str) -> OpenAIRequest:
-    """Checks every field of `body` for `endpoint` ("completions" or "chat"), in table order;
-    raises RequestError at the first one that cannot be served."""
+    """Checks every field of `body` for `endpoint` ("completions" or "chat"); raises
+    RequestError at the first one that cannot be served."""
     assert endpoint in ENDPOINTS, endpoint
-    for name in body:
-        _check_known(name, endpoint)
     values = {}
-    for field in FIELDS:
-        value = body.get(field.name)
-        if value is None or endpoint not in field.endpoints:
+    for name, value in body.items():
+        field = _known(name, endpoint)
+        if value is None:
             continue
         if field.verdict == "refused":
             _refuse_unless_neutral(field, value)
         else:
-            values[field.name] = field.check(field.name, value, endpoint)
+            values[name] = field.check(name, value, endpoint)
     return _build(values, endpoint)
 
 
-def _check_known(name: str, endpoint: str) -> None:
+def _known(name: str, endpoint: str) -> Field:
+    """The row of a field `endpoint` takes; RequestError for any other."""
     field = FIELDS_BY_NAME.get(name)
     path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
     if field is None:
@@ -469,6 +470,7 @@ def _check_known(name: str, endpoint: str) -> None:
         other = "/v1/chat/completions" if field.endpoints == CHAT else "/v1/completions"
         raise RequestError(name, f"{name} is a field of {other}, not of {path}",
                            code="unknown_parameter")
+    return field
 
 
 def _refuse_unless_neutral(field: Field, value: Any) -> None:
@@ -502,8 +504,7 @@ def _build(values: dict[str, Any], endpoint: str) -> OpenAIRequest:
     if values.get("prompt_logprobs") is not None and stream:
         raise RequestError("prompt_logprobs", "prompt_logprobs are not streamed: drop stream or "
                                               "prompt_logprobs")
-    sampling = {f.sampling: values[f.name] for f in FIELDS
-                if f.sampling and f.name in values}
+    sampling = {f.sampling: values[f.name] for f in _SAMPLING if f.name in values}
     max_field, max_tokens = _max_tokens(values)
     options = options or {}
     return OpenAIRequest(
