@@ -60,8 +60,8 @@ from meshserve.serving.engine import check_request_id
 from meshserve.serving.http_edge import CorsPolicy, Edge, error_body, guarded_protocol
 from meshserve.serving.http_render import Render
 from meshserve.serving.loop import Delta, EngineLoop, Failed, Refused, Submission
-from meshserve.serving.openai_request import OpenAIRequest, RequestError, decode_body, \
-    parse_request
+from meshserve.serving.openai_request import (OpenAIRequest, RequestError, decode_body,
+                                              parse_request)
 from meshserve.serving.outputs import RequestOutput
 
 log = logging.getLogger(__name__)

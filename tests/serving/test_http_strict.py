@@ -128,7 +128,8 @@ TEXT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def served():
-    """`meshserve serve` as docs/server.md starts it (ports 0, sizing flags added): its HTTP port."""
+    """`meshserve serve` as docs/server.md starts it (ports 0, sizing flags added); its HTTP
+    port."""
     serve, _ = _docs_example()
     argv = serve.replace("--port 50051", "--port 0").replace("--http-port 8000",
                                                              "--http-port 0").split()
