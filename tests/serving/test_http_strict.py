@@ -37,8 +37,8 @@ FAKE = dict(num_pages=128, page_size=4, max_num_seqs=4, max_num_batched_tokens=3
 ORIGIN = "https://app.example"
 TOKENS = re.compile(r"^meshserve:generation_tokens_total(?:\{[^}]*\})? (\S+)$", re.M)
 
-# A realistic refused value for each refused field the issue names; every other refused field
-# is sent an object, which is no field's neutral value.
+# A realistic refused value for the refused fields clients send most; every other refused
+# field is sent an object, which is no field's neutral value.
 REFUSED_VALUES = {
     "n": 2, "best_of": 3, "echo": True, "suffix": "!", "logit_bias": {"5": 10}, "store": True,
     "metadata": {"run": "a"}, "service_tier": "flex", "modalities": ["text", "audio"],
@@ -219,7 +219,7 @@ def test_neutral_values_of_refused_fields_pass(client):
 
 @pytest.mark.slow
 def test_a_refused_request_leaves_the_generation_counter_unchanged(served):
-    """The issue's example: 300 tokens asked for, `stream` of the wrong kind. The request after
+    """300 tokens asked for, and `stream` (or another field) of the wrong kind. The request after
     it finishes only after any earlier request started, so the counter would show it."""
     before = _generation_tokens(served)
     for bad in ({"stream": "yes"}, {"return_token_ids": "yes"}, {"guided_regex": "a+"}):
