@@ -230,7 +230,8 @@ def _prompt_ids_after(row: Row) -> list[int]:
 
 
 def sampling_arrays(rows: Sequence[Row], *, eos_token_ids: Sequence[int] = ()) -> SamplingArrays:
-    """Each row's sampling parameters, seed, output index, token history and stop ids."""
+    """Each row's sampling parameters, seed, output index, token history, stop ids and
+    structured-output mask."""
     requests = [row.request for row in rows]
     params = [r.params for r in requests]
     history, is_output = _history(rows)
@@ -239,8 +240,25 @@ def sampling_arrays(rows: Sequence[Row], *, eos_token_ids: Sequence[int] = ()) -
         seeds=np.array([r.seed for r in requests], COLUMNS["seeds"].dtype),
         steps=np.array([len(r.output_token_ids) for r in requests], COLUMNS["steps"].dtype),
         history=history, history_is_output=is_output,
-        banned_ids=_banned_ids(params, eos_token_ids),
+        banned_ids=_banned_ids(params, eos_token_ids), allowed=_allowed(rows),
     )
+
+
+def _allowed(rows: Sequence[Row]) -> np.ndarray:
+    """Each sampled constrained row's mask of the tokens allowed next ([B, W]); -1 elsewhere,
+    and one word wide when no row is constrained (the runner pads it)."""
+    masks = {i: row.request.constraint for i, row in enumerate(rows)
+             if row.request.constraint is not None and row.is_sampled}
+    if not masks:
+        return np.full((len(rows), 1), -1, np.int32)
+    width = next(iter(masks.values())).num_words
+    allowed = np.full((len(rows), width), -1, np.int32)
+    for i, constraint in masks.items():
+        # A pipeline must not plan a constrained row ahead of its matcher (Engine._pipeline_step).
+        assert constraint.num_consumed == len(rows[i].request.output_token_ids), \
+            "a constrained row was planned before its last output was known"
+        allowed[i] = constraint.mask
+    return allowed
 
 
 def _history(rows: Sequence[Row]) -> tuple[np.ndarray, np.ndarray]:

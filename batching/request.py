@@ -10,7 +10,9 @@ and no pages, and `num_preemptions` counts how often that happened. When it is s
 recomputes its prompt and the outputs it already has, then samples its next output.
 
 A request stops (`stop_status`) on a stop token id or, unless it ignores EOS, an EOS id, once it
-has `min_tokens` outputs; and always at `max_tokens`.
+has `min_tokens` outputs; and always at `max_tokens`. A request with a structured-output
+`constraint` (`batching/structured.py`) also stops when the constraint is complete ("stop"), or
+when no token can continue it ("unsatisfiable").
 
 This module is plain Python; it must not import jax or anything from meshserve's other packages.
 """
@@ -26,6 +28,7 @@ from typing import Sequence
 from meshserve.batching.prefix_cache import ROOT_HASH, page_hash
 from meshserve.batching.length import LengthFeatures, LengthPrediction
 from meshserve.batching.sampling import MAX_SEED, SamplingParams
+from meshserve.batching.structured import Constraint
 
 
 class RequestStatus(enum.Enum):
@@ -34,6 +37,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_UNSATISFIABLE = "unsatisfiable"  # its structured-output constraint cannot go on
 
     @property
     def is_finished(self) -> bool:
@@ -41,12 +45,13 @@ class RequestStatus(enum.Enum):
 
     @property
     def finish_reason(self) -> str | None:
-        """What a finished request reports ("stop", "length" or "abort"); None while unfinished."""
+        """What a finished request reports ("stop", "length", "abort" or "unsatisfiable"); None
+        while unfinished."""
         return self.value if self.is_finished else None
 
 
 _FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                       RequestStatus.FINISHED_ABORTED})
+                       RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_UNSATISFIABLE})
 
 
 @dataclasses.dataclass(eq=False)
@@ -77,6 +82,8 @@ class Request:
     length_features: LengthFeatures | None = dataclasses.field(default=None, repr=False)
     predicted_length: LengthPrediction | None = None  # of its output, in tokens
     arrival_step: int = 0  # the scheduler's step count when it was added (for aging)
+    # The compiled structured-output constraint of `params.structured` (set by the engine):
+    constraint: Constraint | None = dataclasses.field(default=None, repr=False)
     seed: int = dataclasses.field(init=False)
 
     def __post_init__(self):

@@ -24,6 +24,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from meshserve.batching.structured import StructuredOutput
+
 MAX_LOGPROBS = 20  # most top logprobs a request may ask for, per token
 MAX_SEED = 2**32  # seeds are uint32 on the device
 MAX_TOP_K = 2**31 - 1  # top_k is int32 on the device; any value past the vocabulary is all of it
@@ -37,6 +39,8 @@ class SamplingParams:
     vLLM: repetition_penalty > 1 discourages any token seen in the prompt or output, presence and
     frequency penalties apply to output tokens only. `logprobs` asks for that many top logprobs per
     output token (0: the chosen token's only), `prompt_logprobs` the same for prompt tokens.
+    `structured` constrains the output to a JSON schema, a regex, a choice or a grammar
+    (`StructuredOutput`, or a dict of its fields).
     """
 
     max_tokens: int = 16
@@ -54,6 +58,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self):
         self._check_lengths()
@@ -108,6 +113,11 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int_range(name, getattr(self, name), low=0, high=MAX_LOGPROBS)
+        if isinstance(self.structured, Mapping):
+            self._set("structured", _as_structured(self.structured))
+        _require(self.structured is None or isinstance(self.structured, StructuredOutput),
+                 f"structured must be a StructuredOutput, a dict of its fields, or None, got "
+                 f"{type(self.structured).__name__}")
 
 
 def _require(is_ok: bool, message: str) -> None:
@@ -152,6 +162,14 @@ def _as_stop_strings(stop) -> tuple[str, ...]:
     return tuple(strings)
 
 
+def _as_structured(fields: Mapping) -> StructuredOutput:
+    """A dict of `StructuredOutput` fields (JSON input: batch files, client dicts)."""
+    known = {f.name for f in dataclasses.fields(StructuredOutput)}
+    unknown = sorted(set(fields) - known)
+    _require(not unknown, f"structured: unknown fields {unknown}; known: {sorted(known)}")
+    return StructuredOutput(**fields)
+
+
 def _as_token_ids(name: str, ids) -> tuple[int, ...]:
     _require(isinstance(ids, (list, tuple)),
              f"{name} must be a list of ints, got {type(ids).__name__}")
@@ -167,7 +185,7 @@ def _as_token_ids(name: str, ids) -> tuple[int, ...]:
 class Column:
     """How one sampling array is stored: its dtype, the value that makes a row (or a padding
     column) neutral and greedy, which width its second axis pads to ("history", "banned"; None for
-    a [B] array), and whether it copies the `SamplingParams` field of the same name."""
+    a [B] array; "vocab_words": the packed token mask), and whether it copies the `SamplingParams` field of the same name."""
 
     dtype: type
     neutral: float | int | bool
@@ -193,7 +211,10 @@ class SamplingArrays:
     function of (request seed, output index) only, so batch company never changes it. `history`
     holds the ids of each row's prompt and output so far (padded with -1), for the penalties;
     `history_is_output` marks which of them were generated. While `steps < min_tokens` the row's
-    `banned_ids` (EOS and stop ids, padded with -1) are masked.
+    `banned_ids` (EOS and stop ids, padded with -1) are masked. `allowed` is each row's packed
+    mask of the tokens its structured-output constraint allows next (`batching/structured.py`):
+    all bits set (-1) for an unconstrained row, and only one word wide on the host when no row of
+    a sub-batch is constrained; the runner pads it to the vocabulary's words.
     """
 
     temperature: np.ndarray = _column(np.float32, 0.0, from_params=True)  # [B]
@@ -209,6 +230,7 @@ class SamplingArrays:
     history_is_output: np.ndarray = _column(np.bool_, False, width="history")  # [B, H]
     min_tokens: np.ndarray = _column(np.int32, 0, from_params=True)  # [B]
     banned_ids: np.ndarray = _column(np.int32, -1, width="banned")  # [B, E]
+    allowed: np.ndarray = _column(np.int32, -1, width="vocab_words")  # [B, W] packed token mask
 
     def __post_init__(self):
         rows = self.temperature.shape[0]
@@ -233,7 +255,7 @@ def params_columns(params: Sequence[SamplingParams]) -> dict[str, np.ndarray]:
 
 def greedy_sampling(rows: int, history_width: int = 1) -> SamplingArrays:
     """Greedy, penalty-free sampling for `rows` rows, with no stop masking."""
-    widths = {"history": history_width, "banned": 1}
+    widths = {"history": history_width, "banned": 1, "vocab_words": 1}
     return SamplingArrays(**{
         name: np.full((rows,) if c.width is None else (rows, widths[c.width]), c.neutral, c.dtype)
         for name, c in COLUMNS.items()})

@@ -208,10 +208,14 @@ class Scheduler:
             request.status, request.finish_reason = status, status.finish_reason
             request.stop_reason = stop_reason
 
-    def set_output(self, request: Request, index: int, token: int) -> None:
+    def set_output(self, request: Request, index: int, token: int
+                   ) -> tuple[RequestStatus, str | None] | None:
         """Puts a sampled token where a plan made ahead of it (pipeline rounds) left a
-        placeholder."""
+        placeholder. A constrained request's matcher takes the token now (no plan ran ahead of
+        it: see `Engine._pipeline_step`); returns how the constraint ends the request, if it
+        does, for the caller to apply with `end_at` after the token-level stops."""
         request.output_token_ids[index] = token
+        return _constraint_end(request, token)
 
     def _observe_length(self, request: Request) -> None:
         """Teaches the predictor a finished request's output length; an aborted request's
@@ -346,8 +350,11 @@ class Scheduler:
         request.num_registered_pages = max(request.num_registered_pages, len(keys))
 
     def _append_output(self, request: Request, token: int) -> None:
+        """A sampled token, or a pipeline placeholder (< 0) that `set_output` fills later."""
         request.output_token_ids.append(token)
         stop = stop_status(request, self.config.eos_token_ids)
+        if stop is None and token >= 0:
+            stop = _constraint_end(request, token)
         if stop is not None:
             self.finish(request.request_id, *stop)
 
@@ -367,6 +374,15 @@ class Scheduler:
                 f"request {rid!r} needs {num_pages} KV pages of {c.page_size} tokens, but the "
                 f"cache has {self.allocators[0].num_total}; shorten it or give the cache more "
                 "pages")
+
+
+def _constraint_end(request: Request, token: int) -> tuple[RequestStatus, str | None] | None:
+    """Advances a constrained request's matcher by its newest output; how that ends it, if it
+    does (complete: "stop"; dead: "unsatisfiable")."""
+    if request.constraint is None:
+        return None
+    end = request.constraint.advance(token)
+    return None if end is None else (RequestStatus(end[0]), end[1])
 
 
 _POLICIES = {"continuous": ContinuousPolicy, "static": StaticPolicy}

@@ -42,6 +42,7 @@ from meshserve.batching.pipeline import (DECODE, IDLE, PREFILL, PipelineSchedule
                                          build_schedule, unit_results)
 from meshserve.batching.runner import SampledRows
 from meshserve.batching.sampling import SamplingArrays
+from meshserve.batching.structured import mask_words
 from meshserve.model.attention import KVCache, SubBatch, init_kv_cache, paged_context
 from meshserve.model.runner import (DeviceLayout, PlanChannel, RunnerConfig,
                                     output_sharding, peer_errors, to_devices)
@@ -159,7 +160,8 @@ class PipelineRunner:
                            page_table=s.prefill_pages[:, :, None])
 
         def sampling(arrays, rows):
-            flat = host_sampling(arrays, history_width=history, banned_width=c.max_stop_ids)
+            flat = host_sampling(arrays, history_width=history, banned_width=c.max_stop_ids,
+                                 mask_width=mask_words(self.model_config.vocab_size))
             return jax.tree.map(lambda a: a.reshape(D, U, rows, *a.shape[1:]), flat)
 
         return PipelineUnits(decode=decode, decode_source=s.decode_source, prefill=prefill,

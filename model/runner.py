@@ -53,6 +53,7 @@ from meshserve.batching.buckets import bucket_sizes, pick_bucket
 from meshserve.batching.plan import StepPlan, SubBatchPlan
 from meshserve.batching.runner import SampledRows
 from meshserve.batching.sampling import SamplingArrays, concat_sampling, greedy_sampling
+from meshserve.batching.structured import mask_words
 from meshserve.model.attention import (ATTENTION_BACKENDS, KVCache, RaggedBatch, SubBatch,
                                        default_backend, init_kv_cache)
 from meshserve.model.sampler import host_sampling
@@ -272,7 +273,8 @@ class ModelRunner:
         every width fixed; the other slots greedy and neutral."""
         return host_sampling(merged, rows=self.config.num_seqs(tokens) * self.num_replicas,
                              history_width=self.config.history_width,
-                             banned_width=self.config.max_stop_ids, index=index)
+                             banned_width=self.config.max_stop_ids,
+                             mask_width=mask_words(self.model_config.vocab_size), index=index)
 
     def run_calls(self, keys: Sequence[tuple[int, ...]],
                   arrays: Sequence[tuple[RaggedBatch, SamplingArrays]]) -> list:

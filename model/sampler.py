@@ -7,13 +7,15 @@ semantics):
 
 1. Logprobs, of the chosen token and of the top-K, come from the raw model distribution:
    `log_softmax(logits)` before any penalty, mask, temperature or filter.
-2. Penalties: repetition over the prompt and output in `history` (divide positive logits, multiply
+2. Structured output: tokens outside a row's `allowed` mask (a packed bitmask, all bits set
+   for an unconstrained row) get -inf, so everything after it chooses among allowed tokens only.
+3. Penalties: repetition over the prompt and output in `history` (divide positive logits, multiply
    the others), then frequency (minus f times the output count) and presence (minus p once per
    output token seen).
-3. Stop masking: while `steps < min_tokens`, the row's `banned_ids` get -inf (unless that would
+4. Stop masking: while `steps < min_tokens`, the row's `banned_ids` get -inf (unless that would
    mask the whole row).
-4. Rows with temperature <= 0 take the argmax of the logits so far.
-5. Other rows: divide by temperature, keep the logits at or above one threshold per row (the
+5. Rows with temperature <= 0 take the argmax of the logits so far.
+6. Other rows: divide by temperature, keep the logits at or above one threshold per row (the
    largest of the top-k, top-p and min-p thresholds, each computed on one descending sort), and
    draw with `jax.random.categorical`.
 
@@ -71,19 +73,22 @@ def device_sampling(arrays: SamplingArrays, *, sharding=None, **padding) -> Samp
 def host_sampling(arrays: SamplingArrays, *, min_tokens: np.ndarray | None = None,
                   banned_ids: np.ndarray | None = None, rows: int | None = None,
                   history_width: int | None = None, banned_width: int | None = None,
+                  mask_width: int | None = None,
                   index: np.ndarray | None = None) -> SamplingArrays:
     """`arrays` padded to fixed shapes when asked (`pad_sampling`), every column in its dtype.
 
     `min_tokens` and `banned_ids`, when given, replace those of `arrays`. `rows`,
-    `history_width` and `banned_width` pad to those sizes (so compiled shapes stay bucketed) with
-    neutral greedy rows and -1 columns. Row i goes to padded row `index[i]` (default: in order).
+    `history_width`, `banned_width` and `mask_width` (the words of the vocabulary's packed mask,
+    `mask_words`) pad to those sizes (so compiled shapes stay bucketed) with neutral greedy rows
+    and neutral columns. Row i goes to padded row `index[i]` (default: in order).
     """
     overrides = {name: np.asarray(value) for name, value in (("min_tokens", min_tokens),
                                                               ("banned_ids", banned_ids))
                  if value is not None}
     arrays = dataclasses.replace(arrays, **overrides) if overrides else arrays
     return pad_sampling(arrays, rows=rows, index=index,
-                        widths={"history": history_width, "banned": banned_width})
+                        widths={"history": history_width, "banned": banned_width,
+                                "vocab_words": mask_width})
 
 
 def sample(logits: jax.Array, s: SamplingArrays, *, num_top_logprobs: int = 0,
@@ -95,14 +100,19 @@ def sample(logits: jax.Array, s: SamplingArrays, *, num_top_logprobs: int = 0,
     """
     raw = jax.nn.log_softmax(logits, axis=-1)  # [B, V]
     top_logprobs, top_ids = jax.lax.top_k(raw, num_top_logprobs)  # [B, K]
-    # Steps where no row has a penalty, or no row is under min_tokens, skip that pass over the
-    # vocabulary (its scatters into [B, V] counts cost as much as the lm_head at batch 32).
-    # An all-greedy batch skips the sort over the vocabulary that the filters need.
-    has_penalty, has_min_tokens, has_sampled = _any_on_some_replica([
+    # Steps where no row is constrained, no row has a penalty, or no row is under min_tokens,
+    # skip that pass over the vocabulary (the penalties' scatters into [B, V] counts cost as
+    # much as the lm_head at batch 32). An all-greedy batch skips the sort over the vocabulary
+    # that the filters need.
+    has_mask, has_penalty, has_min_tokens, has_sampled = _any_on_some_replica([
+        jnp.any(s.allowed != -1),
         jnp.any((s.repetition_penalty != 1) | (s.presence_penalty != 0)
                 | (s.frequency_penalty != 0)),
         jnp.any(s.steps < s.min_tokens), jnp.any(s.temperature > 0)], replica_axes)
-    adjusted = jax.lax.cond(has_penalty, lambda: apply_penalties(logits, s), lambda: logits)
+    adjusted = jax.lax.cond(has_mask, lambda: mask_disallowed(logits, s.allowed),
+                            lambda: logits)  # [B, V]
+    adjusted = jax.lax.cond(has_penalty, lambda: apply_penalties(adjusted, s),
+                            lambda: adjusted)
     adjusted = jax.lax.cond(has_min_tokens, lambda: mask_banned(adjusted, s),
                             lambda: adjusted)  # [B, V]
     greedy = jnp.argmax(adjusted, axis=-1)  # [B]
@@ -127,6 +137,24 @@ def _any_on_some_replica(flags: list[jax.Array], replica_axes: tuple[str, ...]
     packed = sum(flag.astype(jnp.int32) * base ** i for i, flag in enumerate(flags))
     total = jax.lax.psum(packed, replica_axes)
     return [(total // base ** i) % base > 0 for i in range(len(flags))]
+
+
+def mask_disallowed(logits: jax.Array, allowed: jax.Array) -> jax.Array:
+    """-inf where bit `t % 32` of word `t // 32` of a row's `allowed` [B, W] (int32) is clear.
+
+    A row whose mask allows nothing is left as it is: the host ends such a request before it
+    is planned (`batching/structured.py`), and padding rows are all ones. Words missing past W
+    allow everything, as the neutral padding of the column does."""
+    rows, vocab_size = logits.shape
+    missing = -(-vocab_size // 32) - allowed.shape[1]
+    if missing > 0:
+        allowed = jnp.pad(allowed, ((0, 0), (0, missing)), constant_values=-1)
+    bits = jnp.arange(32, dtype=jnp.int32)  # [32]
+    unpacked = (allowed[:, :, None] >> bits) & 1  # [B, W, 32]
+    is_allowed = unpacked.reshape(rows, -1)[:, :vocab_size] != 0  # [B, V]
+    masked = jnp.where(is_allowed, logits, _NEG_INF)
+    keeps_some = jnp.any(is_allowed, axis=-1, keepdims=True)  # [B, 1]
+    return jnp.where(keeps_some, masked, logits)
 
 
 def token_counts(ids: jax.Array, weights: jax.Array, vocab_size: int) -> jax.Array:

@@ -378,6 +378,11 @@ class Tokenizer:
             )
         return self._max_token_chars
 
+    def to_json(self) -> str:
+        """The backend as HF `tokenizer.json` text (what grammar libraries read a vocabulary
+        from)."""
+        return self._backend.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 

@@ -43,6 +43,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from meshserve.batching.sampling import SamplingParams
+from meshserve.serving.structured_messages import structured_message
 from meshserve.serving.api import generation_pb2 as pb
 from meshserve.serving.api import generation_pb2_grpc as pb_grpc
 from meshserve.serving.outputs import Logprob
@@ -86,8 +87,9 @@ class StreamChunk:
 class Completion:
     """A finished request. `token_ids` and `logprobs` are all the chunks' joined; `text` is the
     server's whole output text (stop string cut), which the chunks' texts add up to, aborts
-    included. `finish_reason` is "stop", "length" or "abort"; `stop_reason` is the stop string
-    or the stop token id (an int) that ended the request, or None (EOS, length, abort)."""
+    included. `finish_reason` is "stop", "length", "abort" or "unsatisfiable"; `stop_reason` is
+    the stop string or the stop token id (an int) that ended the request, why a structured
+    output could not go on, or None (EOS, length, abort)."""
 
     request_id: str
     text: str
@@ -150,7 +152,9 @@ def sampling_message(params: SamplingParams) -> pb.SamplingParams:
         value = getattr(params, name)
         if value is None:
             continue
-        if isinstance(value, tuple):
+        if name == "structured":
+            message.structured.CopyFrom(structured_message(value))
+        elif isinstance(value, tuple):
             getattr(message, name).extend(value)
         else:
             setattr(message, name, value)

@@ -4,6 +4,11 @@
              results = runner.execute(plan)   # device: one step, one copy back
              return self._update(plan, results)  # host: tokens, text, stops, outputs
 
+A request with structured output (`SamplingParams.structured`) gets its constraint compiled once
+per distinct constraint (`GrammarCompiler`, `serving/grammar.py`, made on first use) and a matcher
+of its own (`Request.constraint`), which the scheduler advances with each sampled token and whose
+mask each plan carries to the device sampler.
+
 The scheduler owns each request's tokens, pages, token-level stops and preemption; a `Stream`
 (`serving/streams.py`) owns what the caller sees of it: text, stop strings and logprobs. The
 engine applies a stream's stop-string cut through the scheduler. `EngineConfig`
@@ -18,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import sys
+import threading
 import time
 from typing import Sequence
 
@@ -28,12 +34,14 @@ from meshserve.batching.plan import StepPlan
 from meshserve.batching.request import Request, stop_status_at
 from meshserve.batching.sampling import SamplingParams
 from meshserve.batching.scheduler import Scheduler
+from meshserve.batching.structured import Constraint, StructuredOutput, mask_words
 from meshserve.model.hub import cache_root
 from meshserve.batching.runner import Runner, SampledRows, StepRunner
 from meshserve.model.runner import CompileCounter, ModelRunner, enable_compilation_cache
 from meshserve.model.pipeline import PipelineRunner
 from meshserve.model.tokenizer import Tokenizer, check_text
 from meshserve.serving.config import EngineConfig
+from meshserve.serving.grammar import GrammarCompiler
 from meshserve.serving.multihost import payload_sizes
 from meshserve.serving.outputs import RequestOutput
 from meshserve.serving.streams import Stream
@@ -61,6 +69,8 @@ class Engine:
                                    predictor=config.make_length_predictor())
         self._streams: dict[str, Stream] = {}
         self._ids = itertools.count()
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
         self.stats = EngineStats()
         if config.compilation_cache:
             enable_compilation_cache(cache_root(None) / "xla")
@@ -122,6 +132,8 @@ class Engine:
         self.check_params(params)
         request = Request(request_id=request_id, prompt_token_ids=prompt_ids, params=params,
                           priority=priority)
+        if params.structured is not None:
+            request.constraint = self._constraint(params)
         self.scheduler.add(request)
         self._streams[request_id] = Stream.open(request, text, self.tokenizer)
         return request_id
@@ -210,6 +222,39 @@ class Engine:
         if params.prompt_logprobs is not None and params.prompt_logprobs > self.config.max_logprobs:
             raise ValueError(f"prompt_logprobs={params.prompt_logprobs} exceeds max_logprobs="
                              f"{self.config.max_logprobs}")
+        if params.structured is not None:
+            self._constraint(params)  # compiles it (once per distinct constraint) and tries it
+
+    # -- structured output ----------------------------------------------------------------------
+
+    def grammars(self) -> GrammarCompiler:
+        """The compiled constraints of this engine's tokenizer, made on first use (about a
+        second); safe to call from a front end's threads."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured output needs the model's tokenizer, and this "
+                                     "model has none")
+                self._grammars = GrammarCompiler(
+                    self.tokenizer.to_json(), vocab_size=self.model_config.vocab_size,
+                    eos_token_ids=self.scheduler.config.eos_token_ids)
+            return self._grammars
+
+    def _constraint(self, params: SamplingParams) -> Constraint:
+        """A new request's matcher, its first mask ready. A constraint that ends before its
+        first token (nothing can satisfy it, or only an empty output does) is refused."""
+        structured: StructuredOutput = params.structured
+        constraint = Constraint(self.grammars().matcher(structured),
+                                num_words=mask_words(self.model_config.vocab_size),
+                                eos_token_ids=self.scheduler.config.eos_token_ids,
+                                ignore_eos=params.ignore_eos)
+        end = constraint.end()
+        if end is not None:
+            reason, detail = end
+            what = ("only an empty output meets it" if reason == "stop"
+                    else f"no output can meet it with this model's tokenizer ({detail})")
+            raise ValueError(f"structured.{structured.kind}: {what}")
+        return constraint
 
     # -- outputs --------------------------------------------------------------------------------
 
@@ -221,8 +266,9 @@ class Engine:
 
         The scheduler plans round k + 1 before round k's tokens exist: its outputs are
         PLACEHOLDERs, which the device fills by feedback. Planning stops early after a
-        preemption (a recomputed prompt must not contain placeholders), and after any round
-        with a penalty (penalties read every earlier token).
+        preemption (a recomputed prompt must not contain placeholders), after any round
+        with a penalty (penalties read every earlier token), and after any round that samples a
+        constrained request (its next mask needs the token that round samples).
         """
         plans, shape = [], self.runner.shape
         while len(plans) < self.config.pipeline_rounds:
@@ -235,7 +281,7 @@ class Engine:
                                          for b in plan.sub_batches])
             laid_out = build_schedule(plans, shape, bubble_filling=self.config.bubble_filling)
             if (self.scheduler.num_preemptions != preemptions or _has_penalty(plan)
-                    or laid_out.num_units + self.config.units_per_round() > shape.num_units):
+                    or self._samples_constrained(plan) or laid_out.num_units + self.config.units_per_round() > shape.num_units):
                 break
         if not plans:
             return []
@@ -246,6 +292,14 @@ class Engine:
         self.stats.record_pipeline(schedule, time.perf_counter() - started, compiles.count)
         self.stats.device_wait_seconds += self.runner.last_wait_seconds
         return self._resolve(plans, results)
+
+    def _samples_constrained(self, plan: StepPlan) -> bool:
+        """Whether a row of `plan` samples an output of a constrained request."""
+        for row in plan.real_rows():
+            request = self.scheduler.get(row.request_id)
+            if row.is_sampled and request is not None and request.constraint is not None:
+                return True
+        return False
 
     def _resolve(self, plans: Sequence[StepPlan], results) -> list[RequestOutput]:
         """Fills each placeholder output with its sampled token, round by round; a token that
@@ -261,10 +315,10 @@ class Engine:
                 index = int(plan.sampling[row.batch].steps[row.row])
                 if index >= len(request.output_token_ids):
                     continue  # generated after a stop: discarded
-                self.scheduler.set_output(request, index, int(rows.tokens[row.row]))
+                end = self.scheduler.set_output(request, index, int(rows.tokens[row.row]))
                 stream.record_token(rows, row.row)
                 touched.setdefault(row.request_id, stream)
-                stop = stop_status_at(request, index, eos)
+                stop = stop_status_at(request, index, eos) or end
                 if stop is not None:
                     self.scheduler.end_at(request, index + 1, *stop)
         return [self._output(stream) for stream in touched.values()]

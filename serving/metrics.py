@@ -70,7 +70,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from meshserve.serving.outputs import RequestOutput
 
 PREFIX = "meshserve:"
-FINISHED_REASONS = ("stop", "length", "abort")
+FINISHED_REASONS = ("stop", "length", "abort", "unsatisfiable")
 REJECTED_REASONS = ("queue_full", "invalid", "unauthenticated", "draining", "deadline")
 
 # vLLM's boundaries for TTFT and end-to-end latency.

@@ -48,8 +48,9 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None  # "stop", "length", "abort", or None while running
-    stop_reason: int | str | None = None  # the stop token id or string that ended it
+    finish_reason: str | None  # "stop", "length", "abort", "unsatisfiable", or None while running
+    stop_reason: int | str | None = None  # the stop token id or string that ended it, or why
+    # a structured output could not go on ("unsatisfiable")
 
     @property
     def cumulative_logprob(self) -> float | None:

@@ -55,6 +55,7 @@ from grpc_reflection.v1alpha import reflection
 
 from meshserve.batching.config import knob
 from meshserve.batching.sampling import SamplingParams
+from meshserve.serving.structured_messages import structured_from_message
 from meshserve.serving.api import generation_pb2 as pb
 from meshserve.serving.api import generation_pb2_grpc as pb_grpc
 from meshserve.serving.engine import Engine
@@ -64,7 +65,9 @@ from meshserve.serving.metrics import ServerMetrics
 from meshserve.serving.outputs import RequestOutput
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # meshserve.v1.Generation
-_SAMPLING_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
+# A message of its own on the wire (`serving/structured_messages.py`):
+_SAMPLING_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)
+                    if f.name != "structured"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -492,6 +495,8 @@ def _sampling_params(message: pb.SamplingParams) -> SamplingParams:
             if value:
                 values[name] = tuple(value)
     try:
+        if message.HasField("structured"):
+            values["structured"] = structured_from_message(message.structured)
         return SamplingParams(**values)
     except (ValueError, TypeError) as err:
         raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {err}") from None

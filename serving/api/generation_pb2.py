@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dmeshserve/v1/generation.proto\x12\x0cmeshserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"3\n\x04\x43hat\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.meshserve.v1.ChatMessage\"\xc6\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x17\n\nignore_eos\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x11\n\x04seed\x18\r \x01(\x04H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x0b\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\x05H\x0c\x88\x01\x01\x42\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_ignore_eosB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xd2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.meshserve.v1.TokenIdsH\x00\x12\"\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x12.meshserve.v1.ChatH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.meshserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x42\x08\n\x06prompt\"M\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\"_\n\x08Logprobs\x12*\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x1a.meshserve.v1.TokenLogprob\x12\'\n\x03top\x18\x02 \x03(\x0b\x32\x1a.meshserve.v1.TokenLogprob\"R\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12(\n\x08logprobs\x18\x03 \x03(\x0b\x32\x16.meshserve.v1.Logprobs\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x96\x01\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x13\n\x0bstop_reason\x18\x02 \x01(\t\x12\"\n\x05usage\x18\x03 \x01(\x0b\x32\x13.meshserve.v1.Usage\x12\x0c\n\x04text\x18\x04 \x01(\t\x12/\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x16.meshserve.v1.Logprobs\"z\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.meshserve.v1.ChunkH\x00\x12$\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x13.meshserve.v1.FinalH\x00\x42\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x16\n\x14GetServerInfoRequest\"H\n\x04Load\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\"\xcb\x01\n\nServerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04mesh\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12 \n\x04load\x18\x04 \x01(\x0b\x32\x12.meshserve.v1.Load\x12\x0f\n\x07version\x18\x05 \x01(\t\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\x17\n\x0fwarmup_programs\x18\x07 \x01(\x05\x12\x16\n\x0ewarmup_seconds\x18\x08 \x01(\x02\x12\x11\n\tattention\x18\t \x01(\t2\xea\x01\n\nGeneration\x12K\n\x08Generate\x12\x1d.meshserve.v1.GenerateRequest\x1a\x1e.meshserve.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.meshserve.v1.AbortRequest\x1a\x1b.meshserve.v1.AbortResponse\x12M\n\rGetServerInfo\x12\".meshserve.v1.GetServerInfoRequest\x1a\x18.meshserve.v1.ServerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dmeshserve/v1/generation.proto\x12\x0cmeshserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"3\n\x04\x43hat\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.meshserve.v1.ChatMessage\"\x94\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x14.meshserve.v1.ChoiceH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x19\n\x06\x43hoice\x12\x0f\n\x07options\x18\x01 \x03(\t\"\xfa\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x17\n\nignore_eos\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x11\n\x04seed\x18\r \x01(\x04H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x0b\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\x05H\x0c\x88\x01\x01\x12\x32\n\nstructured\x18\x10 \x01(\x0b\x32\x1e.meshserve.v1.StructuredOutputB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_ignore_eosB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xd2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.meshserve.v1.TokenIdsH\x00\x12\"\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x12.meshserve.v1.ChatH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.meshserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x42\x08\n\x06prompt\"M\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\"_\n\x08Logprobs\x12*\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x1a.meshserve.v1.TokenLogprob\x12\'\n\x03top\x18\x02 \x03(\x0b\x32\x1a.meshserve.v1.TokenLogprob\"R\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12(\n\x08logprobs\x18\x03 \x03(\x0b\x32\x16.meshserve.v1.Logprobs\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x96\x01\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x13\n\x0bstop_reason\x18\x02 \x01(\t\x12\"\n\x05usage\x18\x03 \x01(\x0b\x32\x13.meshserve.v1.Usage\x12\x0c\n\x04text\x18\x04 \x01(\t\x12/\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x16.meshserve.v1.Logprobs\"z\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.meshserve.v1.ChunkH\x00\x12$\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x13.meshserve.v1.FinalH\x00\x42\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x16\n\x14GetServerInfoRequest\"H\n\x04Load\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\"\xcb\x01\n\nServerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04mesh\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12 \n\x04load\x18\x04 \x01(\x0b\x32\x12.meshserve.v1.Load\x12\x0f\n\x07version\x18\x05 \x01(\t\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\x17\n\x0fwarmup_programs\x18\x07 \x01(\x05\x12\x16\n\x0ewarmup_seconds\x18\x08 \x01(\x02\x12\x11\n\tattention\x18\t \x01(\t2\xea\x01\n\nGeneration\x12K\n\x08Generate\x12\x1d.meshserve.v1.GenerateRequest\x1a\x1e.meshserve.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.meshserve.v1.AbortRequest\x1a\x1b.meshserve.v1.AbortResponse\x12M\n\rGetServerInfo\x12\".meshserve.v1.GetServerInfoRequest\x1a\x18.meshserve.v1.ServerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,32 +37,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_end=116
   _globals['_CHAT']._serialized_start=118
   _globals['_CHAT']._serialized_end=169
-  _globals['_SAMPLINGPARAMS']._serialized_start=172
-  _globals['_SAMPLINGPARAMS']._serialized_end=754
-  _globals['_GENERATEREQUEST']._serialized_start=757
-  _globals['_GENERATEREQUEST']._serialized_end=967
-  _globals['_TOKENLOGPROB']._serialized_start=969
-  _globals['_TOKENLOGPROB']._serialized_end=1046
-  _globals['_LOGPROBS']._serialized_start=1048
-  _globals['_LOGPROBS']._serialized_end=1143
-  _globals['_CHUNK']._serialized_start=1145
-  _globals['_CHUNK']._serialized_end=1227
-  _globals['_USAGE']._serialized_start=1229
-  _globals['_USAGE']._serialized_end=1309
-  _globals['_FINAL']._serialized_start=1312
-  _globals['_FINAL']._serialized_end=1462
-  _globals['_GENERATERESPONSE']._serialized_start=1464
-  _globals['_GENERATERESPONSE']._serialized_end=1586
-  _globals['_ABORTREQUEST']._serialized_start=1588
-  _globals['_ABORTREQUEST']._serialized_end=1622
-  _globals['_ABORTRESPONSE']._serialized_start=1624
-  _globals['_ABORTRESPONSE']._serialized_end=1656
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=1658
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=1680
-  _globals['_LOAD']._serialized_start=1682
-  _globals['_LOAD']._serialized_end=1754
-  _globals['_SERVERINFO']._serialized_start=1757
-  _globals['_SERVERINFO']._serialized_end=1960
-  _globals['_GENERATION']._serialized_start=1963
-  _globals['_GENERATION']._serialized_end=2197
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=172
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=320
+  _globals['_CHOICE']._serialized_start=322
+  _globals['_CHOICE']._serialized_end=347
+  _globals['_SAMPLINGPARAMS']._serialized_start=350
+  _globals['_SAMPLINGPARAMS']._serialized_end=984
+  _globals['_GENERATEREQUEST']._serialized_start=987
+  _globals['_GENERATEREQUEST']._serialized_end=1197
+  _globals['_TOKENLOGPROB']._serialized_start=1199
+  _globals['_TOKENLOGPROB']._serialized_end=1276
+  _globals['_LOGPROBS']._serialized_start=1278
+  _globals['_LOGPROBS']._serialized_end=1373
+  _globals['_CHUNK']._serialized_start=1375
+  _globals['_CHUNK']._serialized_end=1457
+  _globals['_USAGE']._serialized_start=1459
+  _globals['_USAGE']._serialized_end=1539
+  _globals['_FINAL']._serialized_start=1542
+  _globals['_FINAL']._serialized_end=1692
+  _globals['_GENERATERESPONSE']._serialized_start=1694
+  _globals['_GENERATERESPONSE']._serialized_end=1816
+  _globals['_ABORTREQUEST']._serialized_start=1818
+  _globals['_ABORTREQUEST']._serialized_end=1852
+  _globals['_ABORTRESPONSE']._serialized_start=1854
+  _globals['_ABORTRESPONSE']._serialized_end=1886
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=1888
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=1910
+  _globals['_LOAD']._serialized_start=1912
+  _globals['_LOAD']._serialized_end=1984
+  _globals['_SERVERINFO']._serialized_start=1987
+  _globals['_SERVERINFO']._serialized_end=2190
+  _globals['_GENERATION']._serialized_start=2193
+  _globals['_GENERATION']._serialized_end=2427
 # @@protoc_insertion_point(module_scope)

@@ -1,13 +1,15 @@
 """meshserve: LLM inference on JAX/XLA.
 
-The import root. `meshserve.LLM`, `meshserve.AsyncLLM`, `meshserve.SamplingParams` and
-`meshserve.EngineConfig` are loaded on first use, so `import meshserve.batching` stays free of jax.
+The import root. `meshserve.LLM`, `meshserve.AsyncLLM`, `meshserve.SamplingParams`,
+`meshserve.StructuredOutput` and `meshserve.EngineConfig` are loaded on first use, so
+`import meshserve.batching` stays free of jax.
 """
 
 _EXPORTS = {
     "LLM": "meshserve.serving.llm",
     "AsyncLLM": "meshserve.serving.async_llm",
     "SamplingParams": "meshserve.batching.sampling",
+    "StructuredOutput": "meshserve.batching.structured",
     "EngineConfig": "meshserve.serving.config",
     "RequestOutput": "meshserve.serving.outputs",
     "CompletionOutput": "meshserve.serving.outputs",

@@ -25,5 +25,6 @@ def test_requests_compare_by_identity():
 
 
 def test_finished_statuses_and_reasons():
-    assert [s.finish_reason for s in RequestStatus] == [None, None, "stop", "length", "abort"]
-    assert [s.is_finished for s in RequestStatus] == [False, False, True, True, True]
+    assert [s.finish_reason for s in RequestStatus] == [None, None, "stop", "length", "abort",
+                                                       "unsatisfiable"]
+    assert [s.is_finished for s in RequestStatus] == [False, False, True, True, True, True]

@@ -71,6 +71,9 @@ INVALID = [
     ("logprobs", True, "logprobs must be an int"),
     ("prompt_logprobs", 21, f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got 21"),
     ("prompt_logprobs", "1", "prompt_logprobs must be an int"),
+    ("structured", "json", "structured must be a StructuredOutput, a dict of its fields, or None"),
+    ("structured", {"schema": {}}, "structured: unknown fields ['schema']"),
+    ("structured", {}, "structured output: set exactly one of"),
 ]
 
 

@@ -11,7 +11,7 @@ from meshserve.batching.sampling import (COLUMNS, SamplingArrays, SamplingParams
 
 def _arrays(rows: int, history_width: int, banned_width: int, first: int) -> SamplingArrays:
     """Rows whose every value differs from its column's neutral value."""
-    widths = {"history": history_width, "banned": banned_width}
+    widths = {"history": history_width, "banned": banned_width, "vocab_words": 2}
     columns = {}
     for name, c in COLUMNS.items():
         shape = (rows,) if c.width is None else (rows, widths[c.width])
@@ -24,7 +24,7 @@ def test_the_table_is_the_dataclass():
     assert list(COLUMNS) == [f.name for f in dataclasses.fields(SamplingArrays)]
     from_params = {name for name, c in COLUMNS.items() if c.from_params}
     assert from_params <= {f.name for f in dataclasses.fields(SamplingParams)}
-    assert {c.width for c in COLUMNS.values()} == {None, "history", "banned"}
+    assert {c.width for c in COLUMNS.values()} == {None, "history", "banned", "vocab_words"}
 
 
 def test_greedy_rows_hold_every_neutral_value_in_its_dtype():

@@ -1,0 +1,227 @@
+"""Structured output: what a request's output must match, and the host state that enforces it.
+
+`StructuredOutput` is user input, one constraint per request: a JSON schema, any JSON object, a
+regular expression, a choice of strings, or a grammar (Lark, or GBNF). It checks only its own
+shape on construction (exactly one kind, of the right type; a schema given as text must be JSON);
+whether the schema, regex or grammar itself is valid is for the grammar library to say when the
+engine compiles it (`meshserve.serving.grammar`), before the request is queued.
+
+`Matcher` is what the host needs of a compiled constraint, one per request: the bitmask of the
+tokens allowed next, and advancing by the token sampled. `Constraint` is that matcher inside a
+request: it keeps the mask of the request's next token ready (computed once per output, right
+after the previous token), so a step plan copies it into the `allowed` sampling column, and it
+decides when the constraint ends the request:
+  - complete: the matcher accepts and nothing but EOS may follow: "stop", at once;
+  - dead: no token may follow, or the library refused a token: "unsatisfiable", with the
+    library's reason as the stop reason, so a constraint the tokenizer cannot meet ends the
+    request instead of running to max_tokens or hanging.
+With `ignore_eos` the EOS bits are cleared from the mask: the output goes on until the constraint
+is complete or `max_tokens`, as unconstrained output goes on until `max_tokens`.
+
+Masks are packed as the device reads them: int32 words, bit `t % 32` of word `t // 32` set when
+token t is allowed (`mask_words`). All bits set (-1) allows everything.
+
+This module is plain Python and numpy; it must not import jax, the grammar library, or anything
+from meshserve's other packages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Protocol, Sequence
+
+import numpy as np
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_CONSTRAINT_CHARS = 1 << 20  # a schema, regex, grammar or choice list, as text
+MAX_CHOICES = 4096
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StructuredOutput:
+    """Constrains a request's output; set exactly one field.
+
+    json_schema: a JSON Schema (a dict, or its JSON text); the output is JSON valid against it.
+    json_object: True: the output is one JSON object, any keys.
+    regex: the output matches this regular expression, whole (Rust `regex` syntax).
+    choice: the output is exactly one of these strings.
+    grammar: the output is a sentence of this grammar (Lark syntax with a `start` rule, or GBNF
+    with a `root` rule).
+
+    After construction `json_schema` is compact JSON text (keys in their given order, which is
+    the order the output writes them in), so equal schemas are one constraint (one compile), and
+    `choice` is a tuple.
+    """
+
+    json_schema: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        given = [kind for kind in KINDS if _is_set(self, kind)]
+        if len(given) != 1:
+            raise ValueError(f"structured output: set exactly one of {', '.join(KINDS)}; "
+                             f"got {', '.join(given) if given else 'none'}")
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"structured.json_object must be True or False, got "
+                             f"{self.json_object!r}")
+        if self.json_schema is not None:
+            object.__setattr__(self, "json_schema", _canonical_schema(self.json_schema))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_text(f"structured.{name}", value)
+        if self.choice is not None:
+            object.__setattr__(self, "choice", _as_choices(self.choice))
+
+    @property
+    def kind(self) -> str:
+        """The one field that is set."""
+        return next(kind for kind in KINDS if _is_set(self, kind))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """`(kind, text)`: equal for equal constraints; what compiled grammars are cached by."""
+        kind = self.kind
+        if kind == "json_object":
+            return kind, ""
+        if kind == "choice":
+            return kind, json.dumps(list(self.choice))
+        return kind, getattr(self, kind)
+
+
+def _is_set(structured: StructuredOutput, kind: str) -> bool:
+    value = getattr(structured, kind)
+    return value is not False and value is not None
+
+
+def _canonical_schema(schema) -> str:
+    if isinstance(schema, str):
+        _check_text("structured.json_schema", schema)
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"structured.json_schema is not valid JSON: {err.msg} at line "
+                             f"{err.lineno} column {err.colno}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"structured.json_schema must be a JSON object (a dict), got "
+                         f"{type(schema).__name__}")
+    try:
+        text = json.dumps(schema, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"structured.json_schema cannot be written as JSON: {err}") from None
+    _check_text("structured.json_schema", text)
+    return text
+
+
+def _check_text(name: str, value) -> None:
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string, got {type(value).__name__}")
+    if not value:
+        raise ValueError(f"{name} is empty")
+    if len(value) > MAX_CONSTRAINT_CHARS:
+        raise ValueError(f"{name} is {len(value)} characters long: at most "
+                         f"{MAX_CONSTRAINT_CHARS}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"{name} holds a lone surrogate at index {err.start}; send valid "
+                         "Unicode") from None
+
+
+def _as_choices(choice) -> tuple[str, ...]:
+    if isinstance(choice, str) or not isinstance(choice, (list, tuple)):
+        raise ValueError(f"structured.choice must be a list of strings, got "
+                         f"{type(choice).__name__}")
+    if not choice:
+        raise ValueError("structured.choice is empty: give at least one string")
+    if len(choice) > MAX_CHOICES:
+        raise ValueError(f"structured.choice has {len(choice)} strings: at most {MAX_CHOICES}")
+    for index, value in enumerate(choice):
+        _check_text(f"structured.choice[{index}]", value)
+    _check_text("structured.choice", json.dumps(list(choice)))
+    return tuple(choice)
+
+
+def mask_words(vocab_size: int) -> int:
+    """Int32 words of a packed mask over `vocab_size` tokens."""
+    return -(-vocab_size // 32)
+
+
+def allowed_ids(mask: np.ndarray) -> np.ndarray:
+    """The token ids a packed mask allows, ascending."""
+    bits = np.unpackbits(np.ascontiguousarray(mask, np.int32).view(np.uint8), bitorder="little")
+    return np.flatnonzero(bits)
+
+
+class Matcher(Protocol):
+    """One request's compiled constraint, advanced by the host one token at a time."""
+
+    def fill_mask(self, out: np.ndarray) -> None:
+        """Writes the packed mask of the tokens allowed next into `out` (int32 [words])."""
+
+    def advance(self, token: int) -> bool:
+        """Consumes a sampled token; False if the constraint refused it (the matcher is dead)."""
+
+    def is_accepting(self) -> bool:
+        """Whether the output so far is a whole sentence of the constraint."""
+
+    def is_stopped(self) -> bool:
+        """Whether nothing but EOS may follow (complete, or dead)."""
+
+    def error(self) -> str:
+        """Why the matcher is dead; "" while it is not."""
+
+
+@dataclasses.dataclass(eq=False)
+class Constraint:
+    """A request's matcher and the mask of its next token (see the module docstring)."""
+
+    matcher: Matcher
+    num_words: int
+    eos_token_ids: tuple[int, ...]
+    ignore_eos: bool = False
+    mask: np.ndarray = dataclasses.field(init=False)  # int32 [num_words]
+    num_consumed: int = 0  # outputs advanced through the matcher
+
+    def __post_init__(self):
+        self.mask = np.zeros(self.num_words, np.int32)
+        self._refresh()
+
+    def advance(self, token: int) -> tuple[str, str | None] | None:
+        """Takes the request's next output; returns `(finish_reason, stop_reason)` when the
+        constraint ends the request, else None."""
+        self.num_consumed += 1
+        if not self.matcher.advance(token):
+            return "unsatisfiable", self._dead_reason(f"the constraint refused token {token}")
+        self._refresh()
+        return self.end()
+
+    def end(self) -> tuple[str, str | None] | None:
+        """Whether the constraint, as it stands, ends the request (see `advance`)."""
+        if self.has_allowed():
+            return None
+        if self.matcher.is_accepting():
+            return "stop", None
+        return "unsatisfiable", self._dead_reason("no token of the vocabulary can continue the "
+                                                  "constraint")
+
+    def has_allowed(self) -> bool:
+        return bool(self.mask.any())
+
+    def _refresh(self) -> None:
+        self.matcher.fill_mask(self.mask)
+        if self.matcher.is_stopped():
+            self.mask[:] = 0  # complete or dead: the EOS that would follow is not sampled
+        elif self.ignore_eos:
+            words = self.mask.view(np.uint32)
+            for token in self.eos_token_ids:
+                if token < 32 * self.num_words:
+                    words[token // 32] &= np.uint32(~(1 << (token % 32)) & 0xFFFFFFFF)
+
+    def _dead_reason(self, what: str) -> str:
+        error = self.matcher.error()
+        return f"{what}: {error}" if error else what
