@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from typing import Sequence
 
 import numpy as np
@@ -100,6 +101,8 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._num_preemptions = 0
         self._num_cached_tokens = 0
+        self.constraint_seconds = 0.0  # host time advancing matchers and computing their masks
+        self.num_constraint_advances = 0
         self._policy: Policy = _POLICIES[config.policy](config, self.ordering)
 
     @property
@@ -215,7 +218,7 @@ class Scheduler:
         it: see `Engine._pipeline_step`); returns how the constraint ends the request, if it
         does, for the caller to apply with `end_at` after the token-level stops."""
         request.output_token_ids[index] = token
-        return _constraint_end(request, token)
+        return self._constraint_end(request, token)
 
     def _observe_length(self, request: Request) -> None:
         """Teaches the predictor a finished request's output length; an aborted request's
@@ -354,9 +357,21 @@ class Scheduler:
         request.output_token_ids.append(token)
         stop = stop_status(request, self.config.eos_token_ids)
         if stop is None and token >= 0:
-            stop = _constraint_end(request, token)
+            stop = self._constraint_end(request, token)
         if stop is not None:
             self.finish(request.request_id, *stop)
+
+    def _constraint_end(self, request: Request, token: int
+                        ) -> tuple[RequestStatus, str | None] | None:
+        """Advances a constrained request's matcher by its newest output; how that ends it, if
+        it does (complete: "stop"; dead: "unsatisfiable")."""
+        if request.constraint is None:
+            return None
+        started = time.perf_counter()
+        end = request.constraint.advance(token)
+        self.constraint_seconds += time.perf_counter() - started
+        self.num_constraint_advances += 1
+        return None if end is None else (RequestStatus(end[0]), end[1])
 
     def _check_fits(self, request: Request) -> None:
         c, rid = self.config, request.request_id
@@ -374,15 +389,6 @@ class Scheduler:
                 f"request {rid!r} needs {num_pages} KV pages of {c.page_size} tokens, but the "
                 f"cache has {self.allocators[0].num_total}; shorten it or give the cache more "
                 "pages")
-
-
-def _constraint_end(request: Request, token: int) -> tuple[RequestStatus, str | None] | None:
-    """Advances a constrained request's matcher by its newest output; how that ends it, if it
-    does (complete: "stop"; dead: "unsatisfiable")."""
-    if request.constraint is None:
-        return None
-    end = request.constraint.advance(token)
-    return None if end is None else (RequestStatus(end[0]), end[1])
 
 
 _POLICIES = {"continuous": ContinuousPolicy, "static": StaticPolicy}

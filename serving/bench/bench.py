@@ -46,6 +46,7 @@ from tqdm.auto import tqdm
 
 from meshserve.batching.config import POLICY_NAMES
 from meshserve.batching.sampling import SamplingParams
+from meshserve.batching.structured import StructuredOutput
 from meshserve.batching.scheduler import KVUsage
 from meshserve.model.config import kv_bytes_per_token
 from meshserve.model.runner import ModelRunner, RunnerConfig
@@ -63,11 +64,12 @@ class BenchRequest:
     prompt_token_ids: list[int]
     num_output_tokens: int
     stop_at_eos: bool = False
+    structured: StructuredOutput | None = None  # `meshserve bench --structured`
 
     def params(self) -> SamplingParams:
         """Greedy, so every policy and ordering generates the same tokens."""
         return SamplingParams(max_tokens=self.num_output_tokens, ignore_eos=not self.stop_at_eos,
-                              temperature=0.0)
+                              temperature=0.0, structured=self.structured)
 
 
 def make_workload(name: str, *, num_requests: int, vocab_size: int,

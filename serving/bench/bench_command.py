@@ -72,6 +72,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a progress bar (only on a terminal)")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run: 16 short chat-mix requests, roofline at 1 and 8")
+    parser.add_argument("--structured", action="store_true",
+                        help="instead of the policies: the continuous engine unconstrained, then "
+                             "with every request constrained to JSON lines (structured output); "
+                             "their throughput ratio and the matchers' host time")
+    parser.add_argument("--schema-validity", nargs="?", const="", default=None, metavar="PATH",
+                        help="instead of the policies: JSON for each schema of a set (default: "
+                             "the 54 shipped) at temperature 0 and 0.8, each output validated "
+                             "with jsonschema")
     options.add_model_args(parser)
 
 
@@ -92,6 +100,8 @@ def run(args: argparse.Namespace) -> None:
         args.ordering, args.policy = args.policy, "continuous"
     if args.quick and args.max_model_len is None:
         args.max_model_len = QUICK_MAX_MODEL_LEN
+    if args.structured or args.schema_validity is not None:
+        return _run_structured(args)
     llm = options.load_llm(args, needs_tokenizer=False, warmup=False)
     requests = _bench_requests(args, llm)
     if args.stop_at_eos:
@@ -156,6 +166,39 @@ def run(args: argparse.Namespace) -> None:
             "arrivals": {k: v for k, v in online.items() if k != "slos"} or None,
             "engine_config": dataclasses.asdict(llm.engine.config),
             "environment": bench.environment(), "results": results} | payload)
+
+
+def _run_structured(args: argparse.Namespace) -> None:
+    """`--structured` or `--schema-validity`: structured output's cost, or its validity."""
+    from meshserve.serving.bench import structured
+
+    if args.mode != "offline":
+        raise ValueError("--structured and --schema-validity run offline only")
+    llm = options.load_llm(args, needs_tokenizer=True, warmup=True)
+    if args.schema_validity is not None:
+        results = structured.schema_validity(
+            llm.engine, structured.load_schemas(args.schema_validity or None))
+        for temperature, row in results["temperatures"].items():
+            print(f"temperature {temperature}: {row['valid']}/{row['requests']} outputs parse "
+                  f"and validate ({row['output_tokens']} tokens)")
+            for failure in row["failures"]:
+                print(f"  {failure['name']}: {failure['error']} ({failure['finish_reason']})")
+    else:
+        results = structured.compare_structured(llm.engine, _bench_requests(args, llm),
+                                                progress=args.progress and sys.stderr.isatty())
+        for name in ("unconstrained", "constrained"):
+            print(f"{name:<14} {results[name]['output_tokens_per_s']:8.1f} output tok/s "
+                  f"({results[name]['output_tokens']} tokens, {results[name]['num_steps']} steps)")
+        print(f"constrained / unconstrained: {results['ratio_output_tokens_per_s']:.3f}; "
+              f"matchers: {results['matcher_ms_per_step']:.2f} ms per step, "
+              f"{results['matcher_us_per_token']:.0f} us per constrained token")
+    if args.output:
+        bench.write_results(args.output, {
+            "schema_version": 1, "command": "meshserve " + " ".join(args.argv),
+            "model": llm.model_config.name, "workload": args.workload, "seed": args.seed,
+            "engine_config": dataclasses.asdict(llm.engine.config),
+            "environment": bench.environment(),
+            "structured" if args.structured else "schema_validity": results})
 
 
 def _check_bench_args(args: argparse.Namespace) -> None:
