@@ -101,6 +101,28 @@ class ToolCalls:
         return value["name"], json.dumps(value.get("arguments"), ensure_ascii=False)
 
 
+@dataclasses.dataclass(frozen=True)
+class Structured:
+    """What a request body asks for: its constraint, the field that asked (for errors), and the
+    tool-call plan when the constraint comes from tools."""
+
+    output: StructuredOutput | None = None
+    field: str | None = None
+    tools: ToolCalls | None = None
+
+
+def read_request(body: dict, *, chat: bool, template_declares_tools: bool = False) -> Structured:
+    structured, tools = read_structured(body, chat=chat,
+                                        template_declares_tools=template_declares_tools)
+    if structured is None:
+        return Structured()
+    field = "tool_choice" if tools is not None else next(
+        name for name in ("response_format", *_VLLM_GUIDED, "structured_outputs")
+        if body.get(name) is not None and (name != "response_format"
+                                           or body[name].get("type") != "text"))
+    return Structured(output=structured, field=field, tools=tools)
+
+
 def read_structured(body: dict, *, chat: bool, template_declares_tools: bool = False
                     ) -> tuple[StructuredOutput | None, ToolCalls | None]:
     """The request's constraint and tool-call plan (see the module docstring)."""
@@ -244,6 +266,32 @@ def _tools(tools) -> tuple[Tool, ...]:
     if len({tool.name for tool in parsed}) != len(parsed):
         raise FieldError("tools", "tools: two functions have the same name")
     return tuple(parsed)
+
+
+def messages_with_tool_calls(messages: list) -> list:
+    """Chat history as the chat template takes it: an assistant message that made tool calls
+    (`content` null, `tool_calls`) reads as the calls' JSON; anything else is left as it is."""
+    return [_as_text(message) if _made_calls(message) else message for message in messages]
+
+
+def _made_calls(message) -> bool:
+    return (isinstance(message, dict) and message.get("role") == "assistant"
+            and message.get("content") is None and isinstance(message.get("tool_calls"), list))
+
+
+def _as_text(message: dict) -> dict:
+    calls = [c for c in message["tool_calls"] if isinstance(c, dict)]
+    text = "\n".join(json.dumps({"name": (c.get("function") or {}).get("name"),
+                                 "arguments": _arguments(c)}, ensure_ascii=False) for c in calls)
+    return {"role": "assistant", "content": text}
+
+
+def _arguments(call: dict):
+    text = (call.get("function") or {}).get("arguments", "{}")
+    try:
+        return json.loads(text) if isinstance(text, str) else text
+    except json.JSONDecodeError:
+        return text
 
 
 def tool_call_id() -> str:
