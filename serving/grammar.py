@@ -11,7 +11,10 @@ millisecond, it fills a numpy bitmask with no torch, it has no dependencies, and
 serves Python 3.11 and 3.12.
 
 JSON is compact (`", "` and `": "` between items, no other whitespace): a small model given
-free whitespace can spend its whole budget on newlines.
+free whitespace can spend its whole budget on newlines. For the same reason a JSON number has at
+most `MAX_FRACTION_DIGITS` digits after the point (a `multipleOf` added to every number the
+schema leaves open, which only narrows what is valid): SmolLM2 writes digits one token at a time
+and, unbounded, can repeat them until max_tokens.
 
 Thread-safe: a front end's handler threads check constraints (`check`) while the engine loop
 makes matchers. This is the only module that imports llguidance.
@@ -30,7 +33,13 @@ import numpy as np
 from meshserve.batching.structured import StructuredOutput
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-ANY_OBJECT_SCHEMA = {"type": "object"}
+MAX_FRACTION_DIGITS = 8
+_ANY_VALUE = {"anyOf": [{"type": "object", "additionalProperties": {"$ref": "#/$defs/value"}},
+                        {"type": "array", "items": {"$ref": "#/$defs/value"}},
+                        {"type": "string"}, {"type": "number"}, {"type": "boolean"},
+                        {"type": "null"}]}
+ANY_OBJECT_SCHEMA = {"type": "object", "additionalProperties": {"$ref": "#/$defs/value"},
+                     "$defs": {"value": _ANY_VALUE}}
 MAX_REASON_CHARS = 2000  # of the library's message, which can hold a parser state dump
 
 
@@ -111,10 +120,10 @@ def _grammar(structured: StructuredOutput) -> str:
     """The constraint as an llguidance grammar (not yet checked: compiling does that)."""
     kind = structured.kind
     if kind == "json_schema":
-        return llguidance.LLMatcher.grammar_from_json_schema(structured.json_schema,
-                                                             defaults=JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            bounded_numbers(json.loads(structured.json_schema)), defaults=JSON_OPTIONS)
     if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema(ANY_OBJECT_SCHEMA,
+        return llguidance.LLMatcher.grammar_from_json_schema(bounded_numbers(ANY_OBJECT_SCHEMA),
                                                              defaults=JSON_OPTIONS)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(structured.regex)
@@ -124,6 +133,25 @@ def _grammar(structured: StructuredOutput) -> str:
                                 for option in structured.choice))
     assert kind == "grammar", kind
     return llguidance.grammar_from("grammar", structured.grammar)  # Lark, or GBNF converted
+
+
+_DATA_KEYWORDS = ("enum", "const", "default", "examples")  # values, not schemas
+
+
+def bounded_numbers(schema):
+    """`schema` with `multipleOf: 10**-MAX_FRACTION_DIGITS` on every number type that has no
+    `multipleOf` (see the module docstring); everything else as it is."""
+    if isinstance(schema, list):
+        return [bounded_numbers(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: value if key in _DATA_KEYWORDS else bounded_numbers(value)
+           for key, value in schema.items()}
+    types = schema.get("type")
+    is_number = types == "number" or (isinstance(types, list) and "number" in types)
+    if is_number and "multipleOf" not in schema:
+        out["multipleOf"] = 10.0 ** -MAX_FRACTION_DIGITS
+    return out
 
 
 def _reason(message: str) -> str:

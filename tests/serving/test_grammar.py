@@ -143,3 +143,13 @@ def test_lark_and_gbnf_grammars_compile(compiler, tokenizer):
     for grammar in ('start: "yes" | "no"', 'root ::= "yes" | "no"'):
         constraint = _constraint(compiler, StructuredOutput(grammar=grammar))
         assert {"yes", "no"} <= _texts(tokenizer, constraint.mask)
+
+
+def test_json_numbers_stop_after_eight_fraction_digits(compiler, tokenizer):
+    for structured in (StructuredOutput(json_schema={"type": "object", "properties": {
+            "x": {"type": "number", "minimum": 0, "maximum": 100}}}),
+                       StructuredOutput(json_object=True)):
+        for text, is_ok in (('{"x": 12.12345678}', True), ('{"x": 12.123456789}', False)):
+            constraint = _constraint(compiler, structured)
+            ends = [constraint.advance(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+            assert (ends[-1] == ("stop", None)) is is_ok, (structured.kind, text, ends[-1])
