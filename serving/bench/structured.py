@@ -24,13 +24,15 @@ from meshserve.batching.sampling import SamplingParams
 from meshserve.batching.structured import StructuredOutput
 from meshserve.serving.bench.bench import BenchRequest, run_offline
 from meshserve.serving.engine import Engine
+from meshserve.serving.grammar import JSON_OPTIONS
 
 LINE_SCHEMA = {"type": "object",
                "properties": {"name": {"type": "string", "maxLength": 16},
                               "age": {"type": "integer", "minimum": 0, "maximum": 120},
                               "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
                                        "maxItems": 3}},
-               "required": ["name", "age", "tags"], "additionalProperties": False}
+               "required": ["name", "age", "tags"], "additionalProperties": False,
+               "x-guidance": JSON_OPTIONS}  # compact, as every JSON constraint
 JSON_LINES = StructuredOutput(grammar="start: (line \"\\n\")+\nline: %json "
                                       + json.dumps(LINE_SCHEMA))
 
@@ -82,8 +84,9 @@ def schema_validity(engine: Engine, schemas: Sequence[dict[str, Any]], *,
     jobs = []
     for temperature in temperatures:
         for i, entry in enumerate(schemas):
-            prompt = tokenizer.apply_chat_template(
-                [{"role": "user", "content": f"Give {entry['name']} as JSON."}])
+            ask = f"Give {entry['name']} as JSON."
+            prompt = (tokenizer.apply_chat_template([{"role": "user", "content": ask}])
+                      if tokenizer.chat_template else ask)
             params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed + i,
                                     structured=StructuredOutput(json_schema=entry["schema"]))
             jobs.append((temperature, entry, engine.add_request(prompt, params)))

@@ -17,6 +17,8 @@ from meshserve.batching.sampling import SamplingParams
 from meshserve.batching.structured import StructuredOutput
 from meshserve.model.config import ModelConfig
 from meshserve.model.transformer import model_from_params
+from meshserve.serving.bench.bench import BenchRequest
+from meshserve.serving.bench.structured import compare_structured, load_schemas, schema_validity
 from meshserve.serving.client import Client, ClientError
 from meshserve.serving.config import EngineConfig
 from meshserve.serving.engine import Engine
@@ -149,3 +151,16 @@ def test_the_grpc_request_carries_the_constraint(model, tokenizer, engine):
             assert str(error.value.message).startswith("sampling: structured.regex: ")
     finally:
         server.stop()
+
+
+def test_the_bench_measures_validity_and_cost(engine, tokenizer):
+    validity = schema_validity(engine, load_schemas()[:4], temperatures=(0.8,), max_tokens=128)
+    row = validity["temperatures"]["0.8"]
+    assert row["requests"] == 4 and row["valid"] == 4, row["failures"]
+    requests = [BenchRequest(prompt_token_ids=tokenizer.encode(f"bench {i}"),
+                             num_output_tokens=24) for i in range(3)]
+    cost = compare_structured(engine, requests)
+    tokens = [cost[run]["output_tokens"] for run in ("unconstrained", "constrained")]
+    assert tokens == [72, 72], cost
+    # The last token of each (max_tokens) ends the request before its matcher would take it.
+    assert cost["matcher_advances"] == 3 * 23 and cost["matcher_seconds"] > 0
