@@ -11,6 +11,11 @@ the drain and the metrics. Endpoints:
     GET  /health                200 while serving; 503 while starting, draining or after a failure
     GET  /metrics               the Prometheus text (the same registry as --metrics-port)
 
+Structured output (`response_format`, vLLM's `guided_*` and `structured_outputs`) and tool calls
+(`tools` with `tool_choice` "required" or a named function) are read by
+`meshserve.serving.openai_structured` into the request's constraint; a tool call comes back as a
+`tool_calls` message, or as OpenAI's tool-call deltas when streamed.
+
 One request, in order, on uvicorn's event loop thread:
   1. read the body, counted as it arrives (413 past --max-message-bytes; a client that goes away
      meanwhile is one info line in the log);
@@ -62,6 +67,7 @@ from meshserve.serving.http_render import Render
 from meshserve.serving.loop import Delta, EngineLoop, Failed, Refused, Submission
 from meshserve.serving.openai_request import (OpenAIRequest, RequestError, decode_body,
                                               parse_request)
+from meshserve.serving.openai_structured import FieldError, Structured, read_request
 from meshserve.serving.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -107,6 +113,7 @@ class Accepted:
     prompt_ids: list[int]
     prompt_text: str | None
     params: SamplingParams
+    structured: Structured  # the constraint, and the tool calls the output makes
 
 
 # -- the app --------------------------------------------------------------------------------------
@@ -221,7 +228,8 @@ class _Api:
                                    priority=-accepted.request.priority)  # vLLM: lower first
         except Refused as refused:
             raise _from_refused(refused) from None
-        render = Render(accepted.response_id, accepted.model, self.fingerprint, accepted.request)
+        render = Render(accepted.response_id, accepted.model, self.fingerprint, accepted.request,
+                        tools=accepted.structured.tools)
         headers = {"x-request-id": accepted.echo_id}
         if accepted.request.stream:
             return StreamingResponse(self._events(sub, render), media_type="text/event-stream",
@@ -258,20 +266,36 @@ class _Api:
         fresh = uuid.uuid4().hex[:24]
         echo_id = self._echo_id(header_id, request.request_id) or f"{prefix}-{fresh}"
         base = header_id or request.request_id or fresh
+        structured = self._structured(request)
+        prompt = request.prompt
+        if structured.tools is not None:  # the model learns of its tools from the prompt
+            prompt = [structured.tools.system_message()] + prompt
         try:
             self.loop.check_open()
-            prompt_ids, text = self.loop.encode_prompt(request.prompt_kind, request.prompt,
+            prompt_ids, text = self.loop.encode_prompt(request.prompt_kind, prompt,
                                                        request.prompt_field)
         except Refused as refused:
             raise _from_refused(refused) from None
-        params = request.sampling_params(self._max_tokens(request, len(prompt_ids)))
+        params = request.sampling_params(self._max_tokens(request, len(prompt_ids)),
+                                         structured.output)
         try:
             self.loop.check_params(params)
         except Refused as refused:
-            raise RequestError(request.param_of(refused.message), refused.message) from None
+            raise _sampling_error(request, structured, refused.message) from None
         return Accepted(request=request, model=model, response_id=f"{prefix}-{base}",
                         request_id=f"{prefix}-{fresh}", echo_id=echo_id, prompt_ids=prompt_ids,
-                        prompt_text=text, params=params)
+                        prompt_text=text, params=params, structured=structured)
+
+    def _structured(self, request: OpenAIRequest) -> Structured:
+        """The request's constraint (`openai_structured`); tool_choice auto needs to know
+        whether the chat template declares tools."""
+        tokenizer = self.engine.tokenizer
+        template = (tokenizer.chat_template if tokenizer is not None else None) or ""
+        try:
+            return read_request(request.structured_fields, chat=request.endpoint == "chat",
+                                template_declares_tools="tools" in template)
+        except FieldError as err:
+            raise RequestError(err.param, str(err)) from None
 
     @staticmethod
     def _echo_id(header_id: str | None, body_id: str | None) -> str | None:
@@ -337,6 +361,15 @@ class _Api:
             err.is_counted = True  # the engine loop counted it
             raise err
         return item.output
+
+
+def _sampling_error(request: OpenAIRequest, structured: Structured, message: str) -> RequestError:
+    """The engine's refusal, naming the request field: a constraint's error (the engine names
+    it `structured.<kind>`) names the field that asked for it."""
+    if structured.field is not None and message.startswith("structured."):
+        detail = message.split(": ", 1)[1] if ": " in message else message
+        return RequestError(structured.field, f"{structured.field}: {detail}")
+    return RequestError(request.param_of(message), message)
 
 
 def _too_large(limit: int) -> ApiError:

@@ -5,7 +5,8 @@ Shapes follow OpenAI's `text_completion`, `chat.completion` and `chat.completion
 vLLM's extras where the request asked for them: `token_ids` and `prompt_token_ids`
 (`return_token_ids`), `prompt_logprobs`, usage in every chunk (`continuous_usage_stats`), tokens
 as `token_id:<id>` (`return_tokens_as_token_ids`). Every object carries the server's
-`system_fingerprint`.
+`system_fingerprint`. An output that is a tool call (`tools`) comes as a `tool_calls` message with
+finish_reason "tool_calls", or streamed as OpenAI's tool-call deltas (`ToolCallStream`).
 """
 
 from __future__ import annotations
@@ -14,14 +15,18 @@ import time
 
 from meshserve.serving.loop import Delta
 from meshserve.serving.openai_request import OpenAIRequest
+from meshserve.serving.openai_structured import ToolCalls, ToolCallStream, tool_call
 from meshserve.serving.outputs import Logprob, RequestOutput
 
 
 class Render:
     """One request's response objects, whole or as stream chunks."""
 
-    def __init__(self, response_id: str, model: str, fingerprint: str, request: OpenAIRequest):
+    def __init__(self, response_id: str, model: str, fingerprint: str, request: OpenAIRequest,
+                 *, tools: ToolCalls | None = None):
         self.id, self.model, self.fingerprint = response_id, model, fingerprint
+        self.tools = tools
+        self.tool_stream = None if tools is None else ToolCallStream(tools)
         self.chat = request.endpoint == "chat"
         self.num_top = request.logprobs
         self.include_usage = request.include_usage
@@ -39,7 +44,13 @@ class Render:
     def whole(self, output: RequestOutput) -> dict:
         completion = output.outputs[0]
         logprobs = self._logprobs(completion.token_ids, completion.logprobs)
-        if self.chat:
+        call = self._tool_call(completion)
+        if call is not None:
+            choice = {"index": 0, "message": {"role": "assistant", "content": None,
+                                              "tool_calls": [call]},
+                      "logprobs": logprobs, "finish_reason": "tool_calls"}
+            body = self._base("chat.completion")
+        elif self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": completion.text},
                       "logprobs": logprobs, "finish_reason": completion.finish_reason}
             body = self._base("chat.completion")
@@ -67,7 +78,16 @@ class Render:
                                          for entry in output.prompt_logprobs]
         return extras
 
+    def _tool_call(self, completion) -> dict | None:
+        """The finished output as a tool call, when tools asked for one and it is complete."""
+        if self.tools is None or completion.finish_reason != "stop":
+            return None
+        parsed = self.tools.parse(completion.text)
+        return None if parsed is None else tool_call(self.tool_stream.id, *parsed)
+
     def delta(self, delta: Delta) -> list[dict]:
+        if self.tool_stream is not None:
+            return self._tool_chunks(self.tool_stream.add(delta.text), None, delta.output)
         logprobs = self._logprobs(delta.token_ids, delta.logprobs)
         if not (delta.text or logprobs or self.is_first or self.return_token_ids):
             return []
@@ -79,8 +99,29 @@ class Render:
                 chunk["prompt_token_ids"] = list(delta.output.prompt_token_ids)
         return [chunk]
 
+    def _tool_chunks(self, calls: list[dict], finish_reason: str | None,
+                     output: RequestOutput) -> list[dict]:
+        """A chat chunk carrying OpenAI's tool-call deltas (none when there is nothing new)."""
+        if not calls and finish_reason is None and not self.is_first:
+            return []
+        delta = {"tool_calls": calls} if calls else {}
+        if self.is_first:
+            delta = {"role": "assistant", "content": None} | delta
+        self.is_first = False
+        body = self._base("chat.completion.chunk")
+        if self.include_usage:
+            body["usage"] = usage(output) if self.continuous_usage else None
+        return [body | {"choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                     "finish_reason": finish_reason}]}]
+
     def finish(self, output: RequestOutput) -> list[dict]:
-        chunks = [self._chunk("", None, output.outputs[0].finish_reason, output)]
+        completion = output.outputs[0]
+        if self.tool_stream is not None:
+            is_call = self._tool_call(completion) is not None
+            chunks = self._tool_chunks([], "tool_calls" if is_call else completion.finish_reason,
+                                       output)
+        else:
+            chunks = [self._chunk("", None, completion.finish_reason, output)]
         chunks[0]["choices"][0]["stop_reason"] = output.outputs[0].stop_reason
         if self.include_usage:
             kind = "chat.completion.chunk" if self.chat else "text_completion"

@@ -34,6 +34,8 @@ import re
 from typing import Any, Callable
 
 from meshserve.batching.sampling import SamplingParams
+from meshserve.batching.structured import StructuredOutput
+from meshserve.serving.openai_structured import calls_as_text
 
 ENDPOINTS = ("completions", "chat")
 VERDICTS = ("honoured", "accepted", "refused")
@@ -151,14 +153,36 @@ def _message(where: str, message: Any) -> dict:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise RequestError(where, f"{where} must be an object with a role (a string)")
     for key, value in message.items():
-        if key in ("role", "content") or value in (None, [], ""):
+        if key in ("role", "content") or value in (None, [], "") or _is_tool_key(message, key):
             continue
         why = ("only role and content are served" if key in _MESSAGE_EXTRAS
                else "not a chat message field")
         raise RequestError(f"{where}.{key}", f"{where}.{key}: {why}; leave it out",
                            code="unsupported_parameter")
+    if message["role"] == "assistant" and message.get("tool_calls"):
+        return _tool_calls_message(f"{where}.tool_calls", message)
     return {"role": message["role"], "content": _content(f"{where}.content",
                                                          message.get("content"))}
+
+
+def _is_tool_key(message: dict, key: str) -> bool:
+    """A tool call's traces in the history: an assistant's `tool_calls`, a tool's
+    `tool_call_id` (the result is the tool message's content)."""
+    return ((key == "tool_calls" and message["role"] == "assistant")
+            or (key == "tool_call_id" and message["role"] == "tool"))
+
+
+def _tool_calls_message(where: str, message: dict) -> dict:
+    """An assistant turn that called tools: its calls as JSON text (`calls_as_text`), after any
+    content it had."""
+    calls = message["tool_calls"]
+    if not isinstance(calls, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):
+        raise RequestError(where, f"{where} must be a list of "
+                                  '{"type": "function", "function": {"name", "arguments"}}')
+    content = message.get("content")
+    text = "" if content is None else _content(where.replace("tool_calls", "content"), content)
+    return {"role": "assistant", "content": (text + "\n" if text else "") + calls_as_text(calls)}
 
 
 def _content(where: str, content: Any) -> str:
@@ -215,8 +239,27 @@ def refused(name: str, note: str, *, neutral: tuple = (), origin: str = "OpenAI"
 
 
 CHAT, COMPLETIONS = ("chat",), ("completions",)
-_STRUCTURED = "structured output is not served yet"
-_TOOLS = "tool calling is not served yet"
+_STRUCTURED = "the output is constrained to it (structured output; one such field per request)"
+_OLD_FUNCTIONS = "the old function calling: send tools and tool_choice"
+_BACKENDS = ("auto", "llguidance", "guidance")
+
+
+def _json_value(kinds: tuple[type, ...]) -> Check:
+    """A JSON value of one of `kinds`; its content is read by `openai_structured`."""
+    def check(name: str, value: Any, endpoint: str) -> Any:
+        if not any(_is_kind(value, kind) for kind in kinds):
+            wanted = " or ".join(_TYPE_NAMES[kind] for kind in kinds)
+            raise RequestError(name, f"{name} must be {wanted}, got {_shown(value)}")
+        return value
+
+    return check
+
+
+def _backend(name: str, value: Any, endpoint: str) -> str:
+    if value not in _BACKENDS:
+        raise RequestError(name, f"{name}: this server constrains with llguidance; send one of "
+                                 f"{', '.join(_BACKENDS)} or leave it out")
+    return value
 _CACHE = "prefix caching is automatic and never changes an output"
 
 FIELDS: tuple[Field, ...] = (
@@ -272,12 +315,17 @@ FIELDS: tuple[Field, ...] = (
     refused("verbosity", "no verbosity control", endpoints=CHAT),
     refused("web_search_options", "no web search", endpoints=CHAT),
     refused("moderation", "no moderation", endpoints=CHAT),
-    refused("response_format", _STRUCTURED, neutral=({"type": "text"},)),
-    refused("tools", _TOOLS, neutral=([],), endpoints=CHAT),
-    refused("tool_choice", _TOOLS, neutral=("none",), endpoints=CHAT),
-    refused("parallel_tool_calls", _TOOLS, endpoints=CHAT),
-    refused("functions", _TOOLS, neutral=([],), endpoints=CHAT),
-    refused("function_call", _TOOLS, neutral=("none",), endpoints=CHAT),
+    honoured("response_format", "json_object or json_schema (with strict, enforced either way) "
+             "constrain the output; text does not", _json_value((dict,))),
+    honoured("tools", "functions; with tool_choice required or a named function the output is "
+             "a call, as tool_calls", _json_value((list,)), endpoints=CHAT),
+    honoured("tool_choice", "none, required, or a named function; auto (the default with tools: "
+             "the model's own tool-call format) is refused by name", _json_value((str, dict)),
+             endpoints=CHAT),
+    accepted("parallel_tool_calls", "one call per answer, which either value allows", bool,
+             endpoints=CHAT),
+    refused("functions", _OLD_FUNCTIONS, neutral=([],), endpoints=CHAT),
+    refused("function_call", _OLD_FUNCTIONS, neutral=("none",), endpoints=CHAT),
     # -- vLLM -----------------------------------------------------------------------------------
     honoured("top_k", ">= 1; 0 or -1 is off", _typed(int), origin="vLLM", sampling="top_k"),
     honoured("min_p", "[0, 1]", _typed(float), origin="vLLM", sampling="min_p"),
@@ -329,14 +377,21 @@ FIELDS: tuple[Field, ...] = (
     refused("cache_salt", "the prefix cache is not salted per request", origin="vLLM"),
     refused("kv_transfer_params", "no disaggregated serving", neutral=({},), origin="vLLM"),
     refused("vllm_xargs", "no extension arguments", neutral=({},), origin="vLLM"),
-    refused("structured_outputs", _STRUCTURED, origin="vLLM"),
-    refused("guided_json", _STRUCTURED, origin="vLLM"),
-    refused("guided_regex", _STRUCTURED, origin="vLLM"),
-    refused("guided_choice", _STRUCTURED, origin="vLLM"),
-    refused("guided_grammar", _STRUCTURED, origin="vLLM"),
-    refused("structural_tag", _STRUCTURED, origin="vLLM"),
-    refused("guided_decoding_backend", _STRUCTURED, origin="vLLM"),
-    refused("guided_whitespace_pattern", _STRUCTURED, origin="vLLM"),
+    honoured("structured_outputs", "one of json, regex, choice, grammar, json_object: "
+             + _STRUCTURED, _json_value((dict,)), origin="vLLM"),
+    honoured("guided_json", "a JSON schema (or its text): " + _STRUCTURED,
+             _json_value((dict, str)), origin="vLLM"),
+    honoured("guided_regex", "a regular expression: " + _STRUCTURED, _json_value((str,)),
+             origin="vLLM"),
+    honoured("guided_choice", "a list of strings: " + _STRUCTURED, _json_value((list,)),
+             origin="vLLM"),
+    honoured("guided_grammar", "a Lark or GBNF grammar: " + _STRUCTURED, _json_value((str,)),
+             origin="vLLM"),
+    refused("structural_tag", "no structural tags", origin="vLLM"),
+    Field("guided_decoding_backend", "vLLM", ENDPOINTS, "accepted",
+          f"{', '.join(_BACKENDS)}: llguidance constrains the output", _backend),
+    refused("guided_whitespace_pattern", "JSON is written compact, no other whitespace",
+            origin="vLLM"),
 )
 FIELDS_BY_NAME: dict[str, Field] = {f.name: f for f in FIELDS}
 assert len(FIELDS_BY_NAME) == len(FIELDS), "a field has two rows"
@@ -345,9 +400,13 @@ _SAMPLING = tuple(f for f in FIELDS if f.sampling)
 
 # The honoured fields `_build` reads, besides those that set a `SamplingParams` field: a row made
 # honoured needs its use in `_build` and its name here, or it would be taken and do nothing.
+# The fields that constrain the output, read whole by `openai_structured.read_request` once the
+# engine's chat template is known (tool_choice auto depends on it).
+STRUCTURED_FIELDS = ("response_format", "tools", "tool_choice", "structured_outputs",
+                     "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 _BUILT = ("model", "prompt", "messages", "max_tokens", "max_completion_tokens", "logprobs",
           "top_logprobs", "stream", "stream_options", "return_token_ids",
-          "return_tokens_as_token_ids", "priority", "request_id")
+          "return_tokens_as_token_ids", "priority", "request_id", *STRUCTURED_FIELDS)
 assert {f.name for f in FIELDS if f.verdict == "honoured" and not f.sampling} == set(_BUILT), (
     "an honoured field that _build does not use, or a used one not honoured")
 
@@ -387,16 +446,19 @@ class OpenAIRequest:
     tokens_as_ids: bool = False
     priority: int = 0  # vLLM's: lower first
     request_id: str | None = None
+    structured_fields: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def logprobs_field(self) -> str:
         return "top_logprobs" if self.endpoint == "chat" else "logprobs"
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int,
+                        structured: StructuredOutput | None = None) -> SamplingParams:
         """The engine's sampling parameters; a value out of range is a RequestError naming the
         request's field."""
         try:
-            return SamplingParams(**self.sampling, max_tokens=max_tokens, logprobs=self.logprobs)
+            return SamplingParams(**self.sampling, max_tokens=max_tokens, logprobs=self.logprobs,
+                                  structured=structured)
         except (ValueError, TypeError) as err:
             raise RequestError(self.param_of(str(err)), str(err)) from None
 
@@ -515,7 +577,8 @@ def _build(values: dict[str, Any], endpoint: str) -> OpenAIRequest:
         continuous_usage=options.get("continuous_usage_stats", False),
         return_token_ids=values.get("return_token_ids", False),
         tokens_as_ids=values.get("return_tokens_as_token_ids", False),
-        priority=values.get("priority", 0), request_id=values.get("request_id"))
+        priority=values.get("priority", 0), request_id=values.get("request_id"),
+        structured_fields={name: values[name] for name in STRUCTURED_FIELDS if name in values})
 
 
 def _prompt_of(values: dict[str, Any], endpoint: str) -> dict[str, Any]:

@@ -8,6 +8,8 @@ tool calls, a `ToolCalls` plan. The fields, each mapped to the same engine const
     response_format {"type": "json_schema", "json_schema":   JSON valid against the schema
         {"name", "schema", "strict"}}                        (always enforced, strict or not)
     guided_json, guided_regex, guided_choice, guided_grammar vLLM's extra fields
+                                                             (its guided_decoding_backend is
+                                                             checked by the field table)
     structured_outputs {"json" | "regex" | "choice" |        vLLM's newer form
         "grammar" | "json_object"}
     tools + tool_choice "required" or a named function       tool calls (below)
@@ -43,7 +45,6 @@ _STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choic
                        "grammar": "grammar", "json_object": "json_object"}
 _UNSERVED_STRUCTURED_OUTPUTS = ("structural_tag", "whitespace_pattern", "disable_any_whitespace",
                                 "disable_additional_properties", "disable_fallback")
-_BACKENDS = ("auto", "llguidance", "guidance")
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
@@ -133,11 +134,6 @@ def read_structured(body: dict, *, chat: bool, template_declares_tools: bool = F
     for field, kind in _VLLM_GUIDED.items():
         if body.get(field) is not None:
             found.append((field, _constraint(field, kind, body[field])))
-    backend = body.get("guided_decoding_backend")
-    if backend is not None and backend not in _BACKENDS:
-        raise FieldError("guided_decoding_backend", f"guided_decoding_backend: this server "
-                         f"constrains with llguidance; send one of {', '.join(_BACKENDS)} or "
-                         "leave it out")
     if body.get("structured_outputs") is not None:
         found.append(("structured_outputs", _structured_outputs(body["structured_outputs"])))
     tools = _tool_calls(body, chat=chat, template_declares_tools=template_declares_tools)
@@ -268,22 +264,11 @@ def _tools(tools) -> tuple[Tool, ...]:
     return tuple(parsed)
 
 
-def messages_with_tool_calls(messages: list) -> list:
-    """Chat history as the chat template takes it: an assistant message that made tool calls
-    (`content` null, `tool_calls`) reads as the calls' JSON; anything else is left as it is."""
-    return [_as_text(message) if _made_calls(message) else message for message in messages]
-
-
-def _made_calls(message) -> bool:
-    return (isinstance(message, dict) and message.get("role") == "assistant"
-            and message.get("content") is None and isinstance(message.get("tool_calls"), list))
-
-
-def _as_text(message: dict) -> dict:
-    calls = [c for c in message["tool_calls"] if isinstance(c, dict)]
-    text = "\n".join(json.dumps({"name": (c.get("function") or {}).get("name"),
+def calls_as_text(calls: list) -> str:
+    """An assistant turn's tool calls as the chat template reads them: one JSON object
+    `{"name", "arguments"}` a line, the form a "required" call is written in."""
+    return "\n".join(json.dumps({"name": (c.get("function") or {}).get("name"),
                                  "arguments": _arguments(c)}, ensure_ascii=False) for c in calls)
-    return {"role": "assistant", "content": text}
 
 
 def _arguments(call: dict):

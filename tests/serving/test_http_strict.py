@@ -42,10 +42,7 @@ TOKENS = re.compile(r"^meshserve:generation_tokens_total(?:\{[^}]*\})? (\S+)$", 
 REFUSED_VALUES = {
     "n": 2, "best_of": 3, "echo": True, "suffix": "!", "logit_bias": {"5": 10}, "store": True,
     "metadata": {"run": "a"}, "service_tier": "flex", "modalities": ["text", "audio"],
-    "reasoning_effort": "low", "response_format": {"type": "json_object"},
-    "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
-    "parallel_tool_calls": True, "guided_json": {"type": "object"}, "guided_regex": "a+",
-    "guided_choice": ["a", "b"], "guided_grammar": "root ::= 'a'", "use_beam_search": True,
+    "reasoning_effort": "low", "functions": [{"name": "f"}], "use_beam_search": True,
     "include_stop_str_in_output": True, "truncate_prompt_tokens": 8, "add_special_tokens": False,
 }
 
@@ -222,7 +219,7 @@ def test_a_refused_request_leaves_the_generation_counter_unchanged(served):
     """300 tokens asked for, and `stream` (or another field) of the wrong kind. The request after
     it finishes only after any earlier request started, so the counter would show it."""
     before = _generation_tokens(served)
-    for bad in ({"stream": "yes"}, {"return_token_ids": "yes"}, {"guided_regex": "a+"}):
+    for bad in ({"stream": "yes"}, {"return_token_ids": "yes"}, {"use_beam_search": True}):
         status, _, answer = _post(served, "/v1/completions", {
             "prompt": TEXT, "max_tokens": 300, "ignore_eos": True} | bad)
         assert status == 400 and answer["error"]["param"] == next(iter(bad))
@@ -294,16 +291,19 @@ def test_refused_fields_run_nothing_on_either_endpoint(fake):
 
 def test_every_honoured_completions_field_is_served(fake):
     """All at once, on the arithmetic runner (which samples greedily by its rule, so the tokens
-    are known); stop strings need a tokenizer, which it has not."""
+    are known); stop strings and structured output need a tokenizer, which it has not (and a
+    request takes one structured-output field: tests/serving/test_structured_openai.py)."""
     prompt = [2, 7, 1, 8]
     body = {"model": "arith-2", "prompt": prompt, "max_tokens": 6, "temperature": 0.5,
             "top_p": 0.9, "presence_penalty": 0.1, "frequency_penalty": 0.1, "seed": 3,
             "logprobs": 1, "stream": False, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1,
             "stop_token_ids": [0], "ignore_eos": True, "min_tokens": 1, "prompt_logprobs": 1,
             "return_token_ids": True, "return_tokens_as_token_ids": True, "priority": -1,
-            "request_id": "all", "user": "u"}
+            "request_id": "all", "user": "u", "guided_decoding_backend": "auto"}
     served = {f.name for f in FIELDS if f.verdict != "refused" and "completions" in f.endpoints}
-    assert served - set(body) == {"stop", "stream_options"}
+    assert served - set(body) == {"stop", "stream_options", "response_format",
+                                  "structured_outputs", "guided_json", "guided_regex",
+                                  "guided_choice", "guided_grammar"}
     status, _, answer = _post(fake.http_port, "/v1/completions", body)
     assert status == 200, answer
     choice = answer["choices"][0]

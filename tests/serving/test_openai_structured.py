@@ -25,8 +25,7 @@ TIME = {"type": "function", "function": {"name": "get_time"}}
     ({"guided_json": SCHEMA}, StructuredOutput(json_schema=SCHEMA)),
     ({"guided_json": json.dumps(SCHEMA)}, StructuredOutput(json_schema=SCHEMA)),
     ({"guided_regex": "[0-9]+"}, StructuredOutput(regex="[0-9]+")),
-    ({"guided_choice": ["a", "b"], "guided_decoding_backend": "llguidance"},
-     StructuredOutput(choice=["a", "b"])),
+    ({"guided_choice": ["a", "b"]}, StructuredOutput(choice=["a", "b"])),
     ({"guided_grammar": 'start: "x"'}, StructuredOutput(grammar='start: "x"')),
     ({"structured_outputs": {"json": SCHEMA}}, StructuredOutput(json_schema=SCHEMA)),
     ({"structured_outputs": {"regex": "a+"}}, StructuredOutput(regex="a+")),
@@ -49,8 +48,6 @@ def test_each_form_maps_to_its_constraint(body, expected):
     ({"guided_choice": "a"}, "guided_choice", "must be a list of strings"),
     ({"guided_json": SCHEMA, "response_format": {"type": "json_object"}}, "guided_json",
      "response_format and guided_json each constrain the output: send one"),
-    ({"guided_regex": "a", "guided_decoding_backend": "xgrammar"}, "guided_decoding_backend",
-     "constrains with llguidance"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
      "set exactly one"),
     ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag",
@@ -115,3 +112,27 @@ def test_a_streamed_call_is_its_id_and_name_then_argument_pieces(choice, text):
     assert head["function"] == {"name": "get_weather", "arguments": ""}
     assert all(set(d) == {"index", "function"} and d["index"] == 0 for d in pieces)
     assert "".join(d["function"]["arguments"] for d in pieces) == '{"city": "Paris"}'
+
+
+def test_the_request_model_reads_tool_history_and_the_backend():
+    from meshserve.serving.openai_request import RequestError, parse_request
+
+    request = parse_request({"messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "4 C"}],
+        "tools": [WEATHER], "tool_choice": "required", "guided_decoding_backend": "auto"}, "chat")
+    assert request.prompt[1] == {"role": "assistant", "content":
+                                 '{"name": "get_weather", "arguments": {"city": "Oslo"}}'}
+    assert request.prompt[2] == {"role": "tool", "content": "4 C"}
+    assert set(request.structured_fields) == {"tools", "tool_choice"}
+    for body, param in [({"guided_regex": "a", "guided_decoding_backend": "xgrammar"},
+                         "guided_decoding_backend"),
+                        ({"tool_choice": 3}, "tool_choice"),
+                        ({"messages": [{"role": "user", "content": "x", "tool_calls": [{}]}]},
+                         "messages[0].tool_calls")]:
+        with pytest.raises(RequestError) as error:
+            parse_request({"messages": [{"role": "user", "content": "x"}]} | body, "chat")
+        assert error.value.param == param, error.value.message
