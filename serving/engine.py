@@ -281,7 +281,8 @@ class Engine:
                                          for b in plan.sub_batches])
             laid_out = build_schedule(plans, shape, bubble_filling=self.config.bubble_filling)
             if (self.scheduler.num_preemptions != preemptions or _has_penalty(plan)
-                    or self._samples_constrained(plan) or laid_out.num_units + self.config.units_per_round() > shape.num_units):
+                    or self._samples_constrained(plan)
+                    or laid_out.num_units + self.config.units_per_round() > shape.num_units):
                 break
         if not plans:
             return []

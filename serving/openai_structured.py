@@ -34,7 +34,6 @@ import dataclasses
 import json
 import re
 import uuid
-from typing import Any
 
 from meshserve.batching.structured import StructuredOutput
 

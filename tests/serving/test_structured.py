@@ -10,7 +10,6 @@ import re
 
 import grpc
 import jsonschema
-import numpy as np
 import pytest
 
 from meshserve.batching.sampling import SamplingParams
