@@ -9,6 +9,10 @@ Two architectures share it:
   embeddings (SmolLM2).
 - `gpt2`: learned positions, LayerNorm, GELU, fused qkv (the GPT-3 shape).
 
+A llama config with `moe` set swaps each layer's SwiGLU for a mixture of experts
+(`meshserve.model.moe`): Mixtral, Qwen2-MoE (with its gated shared expert) and Qwen3-MoE. Its
+`intermediate_size` is then the width of each expert.
+
 This module imports neither jax nor flax.
 """
 
@@ -42,6 +46,44 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class MoeConfig:
+    """A mixture-of-experts MLP: each token's router picks `experts_per_token` of `num_experts`.
+
+    The router's softmax runs over all experts; `renormalize` rescales the chosen k weights to sum
+    to 1 (Mixtral, Qwen3-MoE) instead of keeping their softmax values (Qwen2-MoE, OLMoE). A shared
+    expert (`shared_expert_size` > 0, Qwen2-MoE) is a SwiGLU every token runs, scaled by a sigmoid
+    gate of its own.
+    """
+
+    num_experts: int
+    experts_per_token: int
+    renormalize: bool
+    shared_expert_size: int = 0
+
+    def __post_init__(self):
+        for field in ("num_experts", "experts_per_token"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"moe {field} must be an int >= 1, got {value!r}")
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(f"moe experts_per_token ({self.experts_per_token}) must be at most "
+                             f"num_experts ({self.num_experts})")
+        if self.shared_expert_size < 0:
+            raise ValueError(f"moe shared_expert_size must be >= 0, got {self.shared_expert_size}")
+
+    def params_per_layer(self, hidden: int, expert_width: int) -> int:
+        """Router, experts and shared expert (with its gate) of one layer."""
+        shared = 3 * hidden * self.shared_expert_size + hidden if self.shared_expert_size else 0
+        return hidden * self.num_experts + self.num_experts * 3 * hidden * expert_width + shared
+
+    def active_params_per_layer(self, hidden: int, expert_width: int) -> int:
+        """What one token runs: the router, its k experts and the shared expert."""
+        every = self.params_per_layer(hidden, expert_width)
+        idle = (self.num_experts - self.experts_per_token) * 3 * hidden * expert_width
+        return every - idle
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Shapes and numerics of one model. Changing any field changes the compiled steps."""
 
@@ -63,6 +105,7 @@ class ModelConfig:
     dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoeConfig | None = None  # a mixture of experts in place of each layer's MLP (llama)
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES:
@@ -81,6 +124,8 @@ class ModelConfig:
             raise ValueError("gpt2 has no grouped-query attention: num_kv_heads must equal num_heads")
         if self.arch == "llama" and self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
+        if self.moe is not None and self.arch != "llama":
+            raise ValueError(f"a mixture of experts needs the llama architecture, not {self.arch}")
 
     @property
     def num_params(self) -> int:
@@ -89,7 +134,8 @@ class ModelConfig:
         q = d * self.num_heads * self.head_dim
         kv = 2 * d * self.num_kv_heads * self.head_dim
         if self.arch == "llama":
-            per_layer = 2 * q + kv + 3 * d * f + 2 * d
+            mlp = 3 * d * f if self.moe is None else self.moe.params_per_layer(d, f)
+            per_layer = 2 * q + kv + mlp + 2 * d
             if self.qkv_bias:
                 per_layer += (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
             head = 0 if self.tie_embeddings else d * v
@@ -97,6 +143,15 @@ class ModelConfig:
         per_layer = 2 * q + kv + 2 * d * f + f + 6 * d
         per_layer += (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         return v * d + self.max_position_embeddings * d + self.num_layers * per_layer + 2 * d
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token runs through: all of them, less the experts its router skips."""
+        if self.moe is None:
+            return self.num_params
+        skipped = self.moe.params_per_layer(self.hidden_size, self.intermediate_size) \
+            - self.moe.active_params_per_layer(self.hidden_size, self.intermediate_size)
+        return self.num_params - self.num_layers * skipped
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -111,12 +166,15 @@ class ModelConfig:
     def from_hf(cls, hf: Mapping[str, Any], **overrides: Any) -> "ModelConfig":
         """Builds a config from a parsed HF `config.json`."""
         model_type = hf.get("model_type", "")
+        if model_type in HF_MOE_TYPES:
+            return _from_hf_moe(hf).replace(**overrides)
         if model_type == "gpt2":
             return _from_hf_gpt2(hf).replace(**overrides)
         if model_type in ("llama", "qwen2", "mistral"):
             return _from_hf_llama(hf).replace(**overrides)
         raise ValueError(
-            f"HF model_type {model_type!r} is not supported; supported: llama, qwen2, mistral, gpt2"
+            f"HF model_type {model_type!r} is not supported; supported: llama, qwen2, mistral, "
+            f"gpt2, {', '.join(HF_MOE_TYPES)}"
         )
 
     @classmethod
@@ -127,9 +185,12 @@ class ModelConfig:
         list and passes `tie_embeddings=` as an override.
         """
         arch = fields.get("general.architecture")
+        if arch in GGUF_MOE_ARCHS or (arch == "llama" and fields.get("llama.expert_count")):
+            return _from_gguf_moe(fields, arch).replace(**overrides)
         if arch not in ("llama", "qwen2", "gpt2"):
             raise ValueError(
-                f"GGUF architecture {arch!r} is not supported; supported: llama, qwen2, gpt2"
+                f"GGUF architecture {arch!r} is not supported; supported: llama, qwen2, gpt2, "
+                f"{', '.join(GGUF_MOE_ARCHS)}"
             )
         return _from_gguf(fields, arch).replace(**overrides)
 
@@ -289,6 +350,20 @@ PRESETS: dict[str, ModelConfig] = {
     "gpt2": _gpt("gpt2", hidden=768, layers=12, heads=12, vocab=50257, positions=1024),
     "gpt2-medium": _gpt("gpt2-medium", hidden=1024, layers=24, heads=16, vocab=50257, positions=1024),
     "gpt3-175b": _gpt("gpt3-175b", hidden=12288, layers=96, heads=96, vocab=50257, positions=2048),
+    # Mixtures of experts (model/moe.py): tiny-llama's shape with 4 experts of which each token
+    # runs 2, and Mixtral-8x7B's published shape (mistralai/Mixtral-8x7B-v0.1 config.json).
+    "tiny-mixtral": ModelConfig(
+        name="tiny-mixtral", arch="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
+        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024,
+        rope_theta=10000.0, norm_eps=1e-5, eos_token_ids=(1,),
+        moe=MoeConfig(num_experts=4, experts_per_token=2, renormalize=True),
+    ),
+    "mixtral-8x7b": ModelConfig(
+        name="mixtral-8x7b", arch="llama", vocab_size=32000, hidden_size=4096,
+        intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+        max_position_embeddings=32768, rope_theta=1e6, norm_eps=1e-5, bos_token_id=1,
+        eos_token_ids=(2,), moe=MoeConfig(num_experts=8, experts_per_token=2, renormalize=True),
+    ),
 }
 
 
@@ -305,3 +380,62 @@ def kv_bytes_per_token(config: ModelConfig) -> int:
     """Bytes of K and V that one token occupies across all layers."""
     per_layer = 2 * config.num_kv_heads * config.head_dim * bytes_per_element(config.dtype)
     return per_layer * config.num_layers
+
+
+# --- Mixtures of experts ------------------------------------------------------------------------
+
+# HF model types whose layers are all sparse: attention as in `llama` (Qwen2-MoE with qkv bias),
+# and a mixture of experts for the MLP.
+HF_MOE_TYPES = ("mixtral", "qwen2_moe")
+# GGUF architectures of llama.cpp's converter for them; Mixtral is `llama` with `expert_count`.
+GGUF_MOE_ARCHS = ("qwen2moe",)
+# Whether llama.cpp renormalises the top-k weights, per architecture, where the file does not say
+# (`{arch}.expert_weights_norm`).
+GGUF_MOE_RENORMALIZE = {"llama": True, "qwen2moe": False}
+
+
+def _from_hf_moe(hf: Mapping[str, Any]) -> ModelConfig:
+    model_type = hf["model_type"]
+    _require_all_layers_sparse(hf)
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{model_type} expert activation {hf['hidden_act']!r} is not supported; "
+                         "meshserve's experts are SwiGLU (silu)")
+    num_experts = hf.get("num_local_experts") or hf.get("num_experts")
+    if model_type == "mixtral":
+        moe = MoeConfig(num_experts=num_experts, experts_per_token=hf["num_experts_per_tok"],
+                        renormalize=True)
+        return _from_hf_llama(hf).replace(moe=moe)
+    moe = MoeConfig(num_experts=num_experts, experts_per_token=hf["num_experts_per_tok"],
+                    renormalize=bool(hf.get("norm_topk_prob", False)),
+                    shared_expert_size=hf.get("shared_expert_intermediate_size", 0))
+    return _from_hf_llama(hf).replace(
+        intermediate_size=hf["moe_intermediate_size"], moe=moe,
+        qkv_bias=model_type == "qwen2_moe" or bool(hf.get("attention_bias", False)))
+
+
+def _require_all_layers_sparse(hf: Mapping[str, Any]) -> None:
+    """meshserve stacks identical layers, so a dense MLP between sparse ones cannot be run."""
+    step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
+    if step != 1 or dense:
+        raise ValueError(
+            f"{hf['model_type']} config has dense MLP layers among the sparse ones "
+            f"(decoder_sparse_step={step}, mlp_only_layers={list(dense)}); meshserve runs a "
+            "stack of identical layers, so every layer must be sparse (decoder_sparse_step=1, "
+            "mlp_only_layers=[])")
+
+
+def _from_gguf_moe(fields: Mapping[str, Any], arch: str) -> ModelConfig:
+    base = _from_gguf(fields, arch)
+    p = arch + "."
+    width = fields.get(p + "expert_feed_forward_length") or base.intermediate_size
+    return base.replace(intermediate_size=int(width), qkv_bias=arch == "qwen2moe",
+                        moe=_gguf_moe(fields, arch))
+
+
+def _gguf_moe(fields: Mapping[str, Any], arch: str) -> MoeConfig:
+    p = arch + "."
+    return MoeConfig(
+        num_experts=int(_gguf_get(fields, p + "expert_count")),
+        experts_per_token=int(_gguf_get(fields, p + "expert_used_count")),
+        renormalize=bool(fields.get(p + "expert_weights_norm", GGUF_MOE_RENORMALIZE[arch])),
+        shared_expert_size=int(fields.get(p + "expert_shared_feed_forward_length", 0)))

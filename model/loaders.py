@@ -88,13 +88,38 @@ def _llama_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes.update({
         "layers/attn/o/kernel": (L, H, h, D),
         "layers/mlp_norm/scale": (L, D),
-        "layers/mlp/gate/kernel": (L, D, F),
-        "layers/mlp/up/kernel": (L, D, F),
-        "layers/mlp/down/kernel": (L, F, D),
-        "final_norm/scale": (D,),
     })
+    if c.moe is None:
+        shapes.update({
+            "layers/mlp/gate/kernel": (L, D, F),
+            "layers/mlp/up/kernel": (L, D, F),
+            "layers/mlp/down/kernel": (L, F, D),
+        })
+    else:
+        shapes.update(moe_shapes(c))
+    shapes["final_norm/scale"] = (D,)
     if not c.tie_embeddings:
         shapes["lm_head/kernel"] = (D, V)
+    return shapes
+
+
+def moe_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The mixture-of-experts MLP of every layer (`meshserve.model.moe`)."""
+    L, D, F, E = c.num_layers, c.hidden_size, c.intermediate_size, c.moe.num_experts
+    shapes = {
+        "layers/mlp/router/kernel": (L, D, E),
+        "layers/mlp/experts/gate": (L, E, D, F),
+        "layers/mlp/experts/up": (L, E, D, F),
+        "layers/mlp/experts/down": (L, E, F, D),
+    }
+    S = c.moe.shared_expert_size
+    if S:
+        shapes.update({
+            "layers/mlp/shared/gate/kernel": (L, D, S),
+            "layers/mlp/shared/up/kernel": (L, D, S),
+            "layers/mlp/shared/down/kernel": (L, S, D),
+            "layers/mlp/shared/scale/kernel": (L, D, 1),
+        })
     return shapes
 
 

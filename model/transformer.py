@@ -21,6 +21,7 @@ from flax import nnx
 
 from meshserve.model.config import ModelConfig
 from meshserve.model.layers import Dense, Embed, LayerNorm, RMSNorm, apply_rope, rope_tables
+from meshserve.model.moe import MoeMLP
 
 
 class LlamaAttention(nnx.Module):
@@ -62,7 +63,8 @@ class LlamaBlock(nnx.Module):
         self.attn_norm = RMSNorm(c.hidden_size, **norm)
         self.attn = LlamaAttention(c, rngs=rngs, stack=stack)
         self.mlp_norm = RMSNorm(c.hidden_size, **norm)
-        self.mlp = SwiGLU(c, rngs=rngs, stack=stack)
+        mlp = SwiGLU if c.moe is None else MoeMLP  # a mixture of experts: model/moe.py
+        self.mlp = mlp(c, rngs=rngs, stack=stack)
 
     def __call__(self, x, ctx, layer, rope):
         h, ctx = self.attn(self.attn_norm(x), ctx, layer, rope)
@@ -112,7 +114,7 @@ class GPT2Block(nnx.Module):
 
 
 class Llama(nnx.Module):
-    """Llama, Mistral, Qwen2 and SmolLM2."""
+    """Llama, Mistral, Qwen2 and SmolLM2; Mixtral and Qwen2-MoE with `config.moe`."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         c = self.config = config

@@ -2,7 +2,7 @@
 
 `prepare(model, mesh_config)` is the one entry point the engine uses: it checks the mesh against
 the model, pads heads when `model` does not divide them and layers when `stage` does not, builds
-the mesh, and derives every
+the mesh, splits a mixture's experts (`meshserve.sharding.experts`), and derives every
 sharding (weights, KV pages, per-row step arrays, activations) from the weights' logical axes and
 `DEFAULT_RULES`.
 """
@@ -18,6 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshserve.model.runner import DeviceLayout
+from meshserve.sharding.experts import split_experts
 from meshserve.sharding.mesh import MeshConfig
 from meshserve.sharding.padding import pad_heads
 from meshserve.sharding.stages import pad_layers
@@ -38,6 +39,7 @@ def prepare(model: nnx.Module, mesh_config: MeshConfig | str | None = None, *,
     mesh_config.check_model(model.config)
     model = pad_layers(pad_heads(model, mesh_config.model), mesh_config.stage)
     mesh = mesh_config.make_mesh(devices)
+    model = split_experts(model, mesh, rules)
     layout = device_layout(model, mesh, rules)
     _, state = nnx.split(model)
     replicated = {}

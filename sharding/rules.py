@@ -11,11 +11,17 @@ cache, the per-row step arrays and the activations have theirs here. A strategy 
     ffw            model       column-parallel gate/up, row-parallel down
     vocab          model       vocabulary-parallel embedding and lm_head
     layers         stage       each pipeline stage holds its share of the layers (and their KV)
+    expert         model       expert parallelism: each device holds E / m whole experts
     embed, head_dim, positions, qkv, page_slot, tokens   replicated
+    expert_ffw, router                                   replicated (experts are whole; the
+                                                         router is small and every device routes)
 
 This is Megatron tensor parallelism: XLA inserts one all-reduce after o and one after down in each
 layer, plus the vocabulary collectives of the embedding lookup and the sampler; no weight is ever
-gathered. A different strategy is a different table, not an edit to the model.
+gathered. A mixture of experts adds one all-reduce per layer that combines the experts' partial
+outputs (`meshserve.sharding.experts`), in place of down's. A different strategy is a different
+table, not an edit to the model: mapping `expert` to None and `expert_ffw` to `model` splits
+every expert's width instead.
 
 A dimension that does not divide over its mesh axis is replicated instead (correct, but it costs
 memory); `ShardingRules.spec` reports which. Heads are the exception: they are padded to divide
@@ -95,6 +101,9 @@ DEFAULT_RULES = ShardingRules({
     "ffw": "model",
     "vocab": "model",
     "layers": "stage",
+    "expert": "model",
+    "expert_ffw": None,
+    "router": None,
     "embed": None,
     "head_dim": None,
     "positions": None,
