@@ -455,7 +455,8 @@ class GGUFCheckpoint:
 
 def load_gguf(path: str | os.PathLike, *, dtype: str = "float32",
               place: Place | None = None) -> tuple[ModelConfig, Params]:
-    """Loads a llama, qwen2 or gpt2 GGUF file into a config and canonical params."""
+    """Loads a llama (Mixtral too), qwen2, qwen2moe or gpt2 GGUF file into a config and canonical
+    params."""
     path = Path(path)
     require_dtype(dtype)
     reader = open_gguf(path)
@@ -471,7 +472,8 @@ def load_gguf(path: str | os.PathLike, *, dtype: str = "float32",
     else:
         reject_rope_factors(checkpoint)
         conversions = llama_conversions(config, permuted_qk=arch == "llama")
-        slots = plan_slots(config, GGUF_LLAMA_NAMES, conversions)
+        conversions |= moe_conversions(config, gguf=True)
+        slots = plan_slots(config, GGUF_LLAMA_NAMES | GGUF_MOE_NAMES, conversions)
         params = assemble(config, slots, checkpoint, GGUF_LLAMA_IGNORED.__contains__, place)
     if place is None:  # placed tensors were checked one by one, before placing
         check_params(config, params, values=False)
@@ -655,7 +657,8 @@ def read_bf16(header: SafetensorsHeader, name: str) -> np.ndarray:
 
 def load_hf(directory: str | os.PathLike, *, dtype: str = "float32",
             place: Place | None = None) -> tuple[ModelConfig, Params]:
-    """Loads an HF llama, qwen2, mistral or gpt2 safetensors directory into a config and params."""
+    """Loads an HF llama, qwen2, mistral, mixtral, qwen2_moe or gpt2 safetensors directory into a
+    config and params."""
     directory = Path(directory)
     require_dtype(dtype)
     if not directory.is_dir():
@@ -670,7 +673,10 @@ def load_hf(directory: str | os.PathLike, *, dtype: str = "float32",
             params = assemble(config, slots, checkpoint, is_hf_gpt2_extra, place)
         else:
             require_lm_head(config, checkpoint)
-            slots = plan_slots(config, HF_LLAMA_NAMES, llama_conversions(config, permuted_qk=False))
+            names = HF_LLAMA_NAMES | hf_moe_names(config, hf_config)
+            conversions = llama_conversions(config, permuted_qk=False) | moe_conversions(config)
+            slots = plan_slots(config, names, conversions)
+            checkpoint = stacked_experts(config, slots, checkpoint)
             params = assemble(config, slots, checkpoint, hf_llama_extra(config), place)
     if place is None:  # placed tensors were checked one by one, before placing
         check_params(config, params, values=False)
@@ -775,3 +781,104 @@ def require_file(path: Path) -> None:
     if not path.is_file():
         raise FileNotFoundError(f"no such file: {path}")
 
+
+
+# --- Mixtures of experts ------------------------------------------------------------------------
+# HF saves one tensor per expert ({e} below); they are read as one stacked [E, ...] tensor
+# (`StackedExperts`). GGUF files hold them stacked already (`ffn_*_exps`, [E, out, in]).
+
+HF_MIXTRAL_NAMES = {
+    "layers/mlp/router/kernel": "model.layers.{i}.block_sparse_moe.gate.weight",
+    "layers/mlp/experts/gate": "model.layers.{i}.block_sparse_moe.experts.{{e}}.w1.weight",
+    "layers/mlp/experts/up": "model.layers.{i}.block_sparse_moe.experts.{{e}}.w3.weight",
+    "layers/mlp/experts/down": "model.layers.{i}.block_sparse_moe.experts.{{e}}.w2.weight",
+}
+
+HF_QWEN_MOE_NAMES = {
+    "layers/mlp/router/kernel": "model.layers.{i}.mlp.gate.weight",
+    "layers/mlp/experts/gate": "model.layers.{i}.mlp.experts.{{e}}.gate_proj.weight",
+    "layers/mlp/experts/up": "model.layers.{i}.mlp.experts.{{e}}.up_proj.weight",
+    "layers/mlp/experts/down": "model.layers.{i}.mlp.experts.{{e}}.down_proj.weight",
+    "layers/mlp/shared/gate/kernel": "model.layers.{i}.mlp.shared_expert.gate_proj.weight",
+    "layers/mlp/shared/up/kernel": "model.layers.{i}.mlp.shared_expert.up_proj.weight",
+    "layers/mlp/shared/down/kernel": "model.layers.{i}.mlp.shared_expert.down_proj.weight",
+    "layers/mlp/shared/scale/kernel": "model.layers.{i}.mlp.shared_expert_gate.weight",
+}
+
+GGUF_MOE_NAMES = {
+    "layers/mlp/router/kernel": "blk.{i}.ffn_gate_inp.weight",
+    "layers/mlp/experts/gate": "blk.{i}.ffn_gate_exps.weight",
+    "layers/mlp/experts/up": "blk.{i}.ffn_up_exps.weight",
+    "layers/mlp/experts/down": "blk.{i}.ffn_down_exps.weight",
+    "layers/mlp/shared/gate/kernel": "blk.{i}.ffn_gate_shexp.weight",
+    "layers/mlp/shared/up/kernel": "blk.{i}.ffn_up_shexp.weight",
+    "layers/mlp/shared/down/kernel": "blk.{i}.ffn_down_shexp.weight",
+    "layers/mlp/shared/scale/kernel": "blk.{i}.ffn_gate_inp_shexp.weight",
+}
+
+
+def hf_moe_names(config: ModelConfig, hf_config: Mapping[str, Any]) -> dict[str, str]:
+    """The expert tensors' names of an HF mixture (none for a dense model)."""
+    if config.moe is None:
+        return {}
+    return HF_MIXTRAL_NAMES if hf_config.get("model_type") == "mixtral" else HF_QWEN_MOE_NAMES
+
+
+def _swap_last_two(w: np.ndarray) -> np.ndarray:
+    return w.swapaxes(-1, -2)
+
+
+def moe_conversions(c: ModelConfig, *, gguf: bool = False) -> dict[str, Conversion]:
+    """Conversions from stacked `[E, out, in]` expert weights and `[out, in]` Linear weights."""
+    if c.moe is None:
+        return {}
+    D, F, E, S = c.hidden_size, c.intermediate_size, c.moe.num_experts, c.moe.shared_expert_size
+    # llama.cpp keeps the shared expert's gate as a vector [D]; HF as a Linear [1, D].
+    scale = Conversion((D,), _reshaped(D, 1)) if gguf else Conversion((1, D), _transposed)
+    return {
+        "layers/mlp/router/kernel": Conversion((E, D), _transposed),
+        "layers/mlp/experts/gate": Conversion((E, F, D), _swap_last_two),
+        "layers/mlp/experts/up": Conversion((E, F, D), _swap_last_two),
+        "layers/mlp/experts/down": Conversion((E, D, F), _swap_last_two),
+        "layers/mlp/shared/gate/kernel": Conversion((S, D), _transposed),
+        "layers/mlp/shared/up/kernel": Conversion((S, D), _transposed),
+        "layers/mlp/shared/down/kernel": Conversion((D, S), _transposed),
+        "layers/mlp/shared/scale/kernel": scale,
+    }
+
+
+class StackedExperts:
+    """A checkpoint in which each `{e}` name of `stacked` reads as the [E, ...] stack of its
+    experts' tensors (`name.format(e=j)`), and those tensors are no longer listed on their own."""
+
+    def __init__(self, checkpoint: Checkpoint, stacked: set[str], num_experts: int):
+        self.origin = checkpoint.origin
+        self._inner = checkpoint
+        self._parts = {name: [name.format(e=j) for j in range(num_experts)] for name in stacked
+                       if all(name.format(e=j) in checkpoint.names for j in range(num_experts))}
+        consumed = {part for parts in self._parts.values() for part in parts}
+        self.names = frozenset((checkpoint.names - consumed) | set(self._parts))
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self._parts:
+            return self._inner.shape(name)
+        shapes = {part: self._inner.shape(part) for part in self._parts[name]}
+        first = self._parts[name][0]
+        for part, shape in shapes.items():
+            if shape != shapes[first]:
+                raise ValueError(f"{self.origin}: expert tensor {part!r} has shape {shape}, but "
+                                 f"{first!r} has {shapes[first]}; every expert must have one shape")
+        return (len(shapes), *shapes[first])
+
+    def read(self, name: str) -> np.ndarray:
+        if name not in self._parts:
+            return self._inner.read(name)
+        return np.stack([self._inner.read(part) for part in self._parts[name]])
+
+
+def stacked_experts(config: ModelConfig, slots: list[Slot], checkpoint: Checkpoint) -> Checkpoint:
+    """`checkpoint`, reading the per-expert tensors of `slots` stacked (as it is without experts)."""
+    if config.moe is None:
+        return checkpoint
+    stacked = {slot.source for slot in slots if "{e}" in slot.source}
+    return StackedExperts(checkpoint, stacked, config.moe.num_experts)
