@@ -1,0 +1,263 @@
+"""The mixture-of-experts MLP (meshserve.model.moe) and its families against HF transformers.
+
+- The grouped matmul of sorted tokens equals every expert computed densely and then picked, and
+  equals `jax.lax.ragged_dot`, for groups that are empty, span several tiles or hold every row.
+- Routing: softmax then top-k, renormalised or not.
+- Tiny random Mixtral, Qwen2-MoE (shared expert) and Qwen3-MoE models saved by HF
+  (tests/golden, scripts/make_moe_golden.py): logits of a full forward pass within 1e-4 of HF's
+  and logprobs within 2e-3; a GGUF written with gguf's writer from the same weights loads to the
+  same logits.
+- Configs and checkpoints the model cannot run fail with a message naming the problem.
+"""
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from meshserve.model import moe
+from meshserve.model.config import ModelConfig, MoeConfig
+from meshserve.model.loaders import load_gguf, load_hf
+from meshserve.model.steps import forward_dense
+from meshserve.model.transformer import model_from_params
+from tests.model.test_loaders import llamacpp_permute, write_gguf
+
+FAMILIES = ["tiny-mixtral", "tiny-qwen2-moe"]
+
+
+def dense_reference(x, chosen, weights, gate, up, down):
+    """Every expert on every token, then the chosen ones weighted (numpy, float64)."""
+    x, gate, up, down = (np.asarray(a, np.float64) for a in (x, gate, up, down))
+    g, u = np.einsum("nd,edf->enf", x, gate), np.einsum("nd,edf->enf", x, up)
+    every = np.einsum("enf,efd->ned", g / (1 + np.exp(-g)) * u, down)  # [N, E, D]
+    picked = np.take_along_axis(every, np.asarray(chosen)[:, :, None], axis=1)  # [N, k, D]
+    return np.einsum("nkd,nk->nd", picked, np.asarray(weights, np.float64))
+
+
+def _expert_weights(rng, num_experts=4, dim=8, width=6):
+    shape = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+    return (shape(num_experts, dim, width), shape(num_experts, dim, width),
+            shape(num_experts, width, dim))
+
+
+@pytest.mark.parametrize("tile", [1, 2, 4, 16])
+def test_grouped_swiglu_equals_every_expert_picked_and_ragged_dot(tile):
+    rng = np.random.default_rng(0)
+    gate, up, down = _expert_weights(rng)
+    rows = jnp.asarray(rng.standard_normal((20, 8)), jnp.float32)
+    # An empty group, groups spanning several tiles, and 3 rows past the groups (left 0).
+    sizes = jnp.array([7, 0, 9, 1], jnp.int32)
+    got = jax.jit(functools.partial(moe.grouped_swiglu, tile=tile))(rows, sizes, gate, up, down)
+    experts = np.repeat(np.arange(4), np.asarray(sizes))
+    want = dense_reference(rows[:17], experts[:, None], np.ones((17, 1)), gate, up, down)
+    np.testing.assert_allclose(got[:17], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got[17:], 0)
+    ragged = moe.grouped_swiglu_ragged(rows, sizes, gate, up, down)
+    np.testing.assert_allclose(got[:17], ragged[:17], rtol=1e-5, atol=1e-5)
+
+
+def test_one_expert_taking_every_assignment_runs_them_all():
+    rng = np.random.default_rng(1)
+    gate, up, down = _expert_weights(rng)
+    x = jnp.asarray(rng.standard_normal((9, 8)), jnp.float32)
+    chosen = jnp.array([[2, 3]] * 9, jnp.int32)  # expert 2 gets 9 rows; a tile holds 8 at most
+    weights = jnp.asarray(rng.uniform(size=(9, 2)), jnp.float32)
+    got = jax.jit(functools.partial(moe.local_experts, first_expert=0))(
+        x, chosen, weights, gate, up, down)
+    np.testing.assert_allclose(got, dense_reference(x, chosen, weights, gate, up, down),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_local_experts_of_each_device_add_up_to_all_experts():
+    """Expert parallelism's arithmetic: each device's share of the experts, summed."""
+    rng = np.random.default_rng(2)
+    gate, up, down = _expert_weights(rng)
+    x = jnp.asarray(rng.standard_normal((6, 8)), jnp.float32)
+    weights, chosen = moe.route(jnp.asarray(rng.standard_normal((6, 4)), jnp.float32), 2, True)
+    local = jax.jit(moe.local_experts)
+    shares = [local(x, chosen, weights, gate[i:i + 2], up[i:i + 2], down[i:i + 2],
+                    first_expert=i) for i in (0, 2)]
+    np.testing.assert_allclose(shares[0] + shares[1],
+                               dense_reference(x, chosen, weights, gate, up, down),
+                               rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(shares[0])).max() > 0 and np.abs(np.asarray(shares[1])).max() > 0
+
+
+def test_routing_is_softmax_then_top_k_renormalised_or_not():
+    logits = jnp.log(jnp.array([[0.1, 0.5, 0.3, 0.1]], jnp.float32))
+    weights, chosen = moe.route(logits, 2, renormalize=False)
+    assert chosen.tolist() == [[1, 2]]
+    np.testing.assert_allclose(weights, [[0.5, 0.3]], rtol=1e-6)
+    weights, _ = moe.route(logits, 2, renormalize=True)
+    np.testing.assert_allclose(weights, [[0.625, 0.375]], rtol=1e-6)
+
+
+def test_tile_rows_follow_the_expected_rows_per_expert():
+    assert moe.tile_rows(2, 8) == 1  # a decode step of one token: one row per expert
+    assert moe.tile_rows(64, 8) == 8
+    assert moe.tile_rows(100, 8) == 16  # 13 rounded up
+    assert moe.tile_rows(1 << 16, 8) == moe.MAX_TILE_ROWS
+
+
+# --- The families against HF ------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _dense_logits(graphdef, params, tokens):
+    rows, width = tokens.shape
+    return forward_dense(graphdef, params, tokens, jnp.full((rows,), width))
+
+
+def _logits(model, tokens) -> np.ndarray:
+    from flax import nnx
+
+    graphdef, params = nnx.split(model)
+    return np.asarray(_dense_logits(graphdef, params, jnp.asarray(tokens)))
+
+
+def _assert_logits_match(got, want):
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    logprob = lambda z: z - jax.scipy.special.logsumexp(z, axis=-1, keepdims=True)  # noqa: E731
+    assert np.abs(logprob(got) - logprob(want)).max() < 2e-3
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, golden_dir):
+    directory = golden_dir / request.param
+    config, params = load_hf(directory)
+    return directory, config, params, np.load(directory / "logits.npz")
+
+
+def test_hf_checkpoint_loads_to_hf_logits(family):
+    directory, config, params, reference = family
+    hf = json.loads((directory / "config.json").read_text())
+    assert config.moe.num_experts == 8 and config.moe.experts_per_token == 2
+    assert config.moe.renormalize == (hf["model_type"] != "qwen2_moe")
+    assert config.moe.shared_expert_size == hf.get("shared_expert_intermediate_size", 0)
+    _assert_logits_match(_logits(model_from_params(config, params), reference["input_ids"]),
+                         reference["logits"])
+
+
+def test_gguf_written_from_the_same_weights_loads_to_hf_logits(family, tmp_path):
+    directory, config, _, reference = family
+    path = write_moe_gguf(directory, tmp_path / "model.gguf")
+    gguf_config, params = load_gguf(path)
+    assert gguf_config.moe == config.moe and gguf_config.qkv_bias == config.qkv_bias
+    _assert_logits_match(_logits(model_from_params(gguf_config, params),
+                                 reference["input_ids"]), reference["logits"])
+
+
+# llama.cpp's converter writes Mixtral as `llama` (Q and K rows permuted for its RoPE) with an
+# expert count, and Qwen2-MoE as `qwen2moe`; experts stacked [E, out, in] as `ffn_*_exps`.
+GGUF_ARCHS = {"mixtral": "llama", "qwen2_moe": "qwen2moe"}
+GGUF_ATTENTION = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
+                  "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                  "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+                  "block_sparse_moe.gate": "ffn_gate_inp", "mlp.gate": "ffn_gate_inp",
+                  "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+                  "mlp.shared_expert.up_proj": "ffn_up_shexp",
+                  "mlp.shared_expert.down_proj": "ffn_down_shexp",
+                  "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+GGUF_EXPERTS = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps",
+                "gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps",
+                "down_proj": "ffn_down_exps"}
+
+
+def write_moe_gguf(directory, path):
+    """The HF checkpoint in `directory` as llama.cpp's converter would write it (F32)."""
+    hf = json.loads((directory / "config.json").read_text())
+    arch = GGUF_ARCHS[hf["model_type"]]
+    tensors = load_file(directory / "model.safetensors")
+    out = {"token_embd.weight": tensors.pop("model.embed_tokens.weight"),
+           "output_norm.weight": tensors.pop("model.norm.weight"),
+           "output.weight": tensors.pop("lm_head.weight")}
+    experts: dict[str, list] = {}
+    for name in sorted(tensors, key=_natural):
+        layer, rest = name.removeprefix("model.layers.").split(".", 1)
+        module, _, kind = rest.rpartition(".")
+        if ".experts." in module:  # ...experts.{e}.w1
+            projection = module.rsplit(".", 1)[1]
+            experts.setdefault(f"blk.{layer}.{GGUF_EXPERTS[projection]}.{kind}", []).append(
+                tensors[name])
+            continue
+        value = tensors[name]
+        if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+            heads = hf["num_attention_heads" if "q_proj" in module else "num_key_value_heads"]
+            value = llamacpp_permute(value, heads)
+        if module == "mlp.shared_expert_gate":
+            value = value.reshape(-1)  # llama.cpp keeps it a vector
+        out[f"blk.{layer}.{GGUF_ATTENTION[module]}.{kind}"] = value
+    out.update({name: np.stack(parts) for name, parts in experts.items()})
+    meta = {f"{arch}.block_count": hf["num_hidden_layers"],
+            f"{arch}.context_length": hf["max_position_embeddings"],
+            f"{arch}.embedding_length": hf["hidden_size"],
+            f"{arch}.feed_forward_length": hf["intermediate_size"],
+            f"{arch}.attention.head_count": hf["num_attention_heads"],
+            f"{arch}.attention.head_count_kv": hf["num_key_value_heads"],
+            f"{arch}.rope.freq_base": float(hf["rope_theta"]),
+            f"{arch}.attention.layer_norm_rms_epsilon": float(hf["rms_norm_eps"]),
+            f"{arch}.expert_count": hf.get("num_local_experts") or hf["num_experts"],
+            f"{arch}.expert_used_count": hf["num_experts_per_tok"]}
+    if "moe_intermediate_size" in hf:
+        meta[f"{arch}.expert_feed_forward_length"] = hf["moe_intermediate_size"]
+    if hf.get("shared_expert_intermediate_size"):
+        meta[f"{arch}.expert_shared_feed_forward_length"] = hf["shared_expert_intermediate_size"]
+    return write_gguf(path, arch, meta, out)
+
+
+def _natural(name: str) -> list:
+    return [int(part) if part.isdigit() else part for part in name.split(".")]
+
+
+# --- What cannot run --------------------------------------------------------------------------
+
+
+def _hf_mixtral(golden_dir) -> dict:
+    return json.loads((golden_dir / "tiny-mixtral" / "config.json").read_text())
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(model_type="qwen2_moe", num_experts=8, moe_intermediate_size=16, decoder_sparse_step=2),
+     "dense MLP layers among the sparse ones"),
+    (dict(model_type="qwen2_moe", num_experts=8, moe_intermediate_size=16, mlp_only_layers=[1]),
+     r"mlp_only_layers=\[1\]"),
+    (dict(hidden_act="gelu"), "expert activation 'gelu' is not supported"),
+    (dict(num_experts_per_tok=9), r"experts_per_token \(9\) must be at most num_experts \(8\)"),
+    (dict(model_type="olmoe"), "model_type 'olmoe' is not supported"),
+])
+def test_configs_meshserve_cannot_run_are_refused_by_name(golden_dir, change, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf(_hf_mixtral(golden_dir) | change)
+
+
+def test_gguf_architectures_without_a_mapping_are_refused_by_name():
+    with pytest.raises(ValueError, match="GGUF architecture 'deepseek2' is not supported"):
+        ModelConfig.from_gguf_fields({"general.architecture": "deepseek2"})
+
+
+def test_a_checkpoint_missing_an_expert_names_the_tensor(golden_dir, tmp_path):
+    from safetensors.numpy import save_file
+
+    tensors = load_file(golden_dir / "tiny-mixtral" / "model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.experts.5.w3.weight"]
+    (tmp_path / "config.json").write_text(json.dumps(_hf_mixtral(golden_dir)))
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"lacks tensor 'model\.layers\.1\.block_sparse_moe\."
+                                         r"experts\.\{e\}\.w3\.weight'"):
+        load_hf(tmp_path)
+
+
+def test_moe_config_counts_total_and_active_parameters():
+    mixtral = ModelConfig.preset("mixtral-8x7b")
+    # Mistral AI's figures for Mixtral 8x7B: 46.7B parameters, 12.9B used per token.
+    assert round(mixtral.num_params / 1e9, 1) == 46.7
+    assert round(mixtral.num_active_params / 1e9, 1) == 12.9
+    dense = ModelConfig.preset("tiny-llama")
+    assert dense.num_active_params == dense.num_params
+    with pytest.raises(ValueError, match="needs the llama architecture"):
+        ModelConfig.preset("tiny-gpt2", moe=MoeConfig(num_experts=2, experts_per_token=1,
+                                                      renormalize=True))
