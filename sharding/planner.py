@@ -4,8 +4,9 @@ of some devices, and a ranking of those meshes against a workload and its latenc
 Nothing here runs a model: every figure is counted from the config, meshserve's sharding rules
 and a `HardwareSpec`. Per device, for the mesh's largest pipeline stage:
 
-    weights       every weight at the config's dtype, its `heads`, `kv_heads`, `ffw` and `vocab`
-                  dimensions split over `model` when they divide (otherwise replicated, as
+    weights       every weight at the config's dtype, its `heads`, `kv_heads`, `ffw`, `vocab`
+                  and `expert` dimensions split over `model` when they divide (otherwise
+                  replicated, as
                   `meshserve.sharding.rules` does), its `layers` dimension cut to ceil(L / stage);
                   kv heads padded up to a multiple of `model` (`meshserve.sharding.padding`)
     KV / token    2 * (K' / model) * head_dim * bytes * ceil(L / stage)
@@ -18,7 +19,12 @@ A step of `rows` rows, `tokens` new tokens each, attending to `context` position
     bytes  = streamed weights + rows * (context + tokens) * KV / token     (read, then write new)
     flops  = 2 * rows * tokens * layer matmul params + 2 * rows * lm_head params
              + 4 * rows * tokens * context * (H' / model) * head_dim * layers
-    tp_comm = per layer 2 ring all-reduces of [rows * tokens, D], plus, when the vocabulary is
+    a mixture of experts: the routed experts count k / E of their params in the flops, and
+             in the streamed bytes the share of experts that rows * tokens tokens choose,
+             1 - (1 - k / E) ** (rows * tokens), as if each picked at random
+    tp_comm = per layer 2 ring all-reduces of [rows * tokens, D] (a mixture: attention's, the
+              experts' combine when they split over `model`, the shared expert's when it
+              splits), plus, when the vocabulary is
               split, the embedding's all-reduce of [rows * tokens, D], an all-gather of the
               [rows, V] float32 logits and SAMPLER_COLLECTIVES - 1 per-row collectives;
               ring all-reduce = 2 (m - 1) / m * bytes / link_bw + COLLECTIVE_LATENCY_S
@@ -59,8 +65,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from meshserve.model.config import (PRESETS, ModelConfig, bytes_per_element, kv_bytes_per_token,
-                                    weight_bytes)
+from meshserve.model.config import (PRESETS, ModelConfig, MoeConfig, bytes_per_element,
+                                    kv_bytes_per_token, weight_bytes)
 from meshserve.model.loaders import expected_shapes
 from meshserve.sharding.hardware import HardwareSpec
 
@@ -78,7 +84,7 @@ DEFAULT_HEADROOM = 0.1
 
 # `meshserve.sharding.rules.DEFAULT_RULES`: the logical axes split over `model`. Only `layers`
 # is split over `stage`, in contiguous shares (`stage_config`).
-MODEL_SPLIT_AXES = ("heads", "kv_heads", "ffw", "vocab")
+MODEL_SPLIT_AXES = ("heads", "kv_heads", "ffw", "vocab", "expert")
 # The logical axes of every weight, as `meshserve.model.layers.param` declares them, by the
 # canonical key that `meshserve.model.loaders.expected_shapes` lists with its shape.
 WEIGHT_AXES: dict[str, tuple[str, ...]] = {
@@ -106,7 +112,18 @@ WEIGHT_AXES: dict[str, tuple[str, ...]] = {
     "final_norm/scale": ("embed",),
     "final_norm/bias": ("embed",),
     "lm_head/kernel": ("embed", "vocab"),
+    # A mixture of experts (`meshserve.model.moe`) in place of the MLP.
+    "layers/mlp/router/kernel": ("layers", "embed", "router"),
+    "layers/mlp/experts/gate": ("layers", "expert", "embed", "expert_ffw"),
+    "layers/mlp/experts/up": ("layers", "expert", "embed", "expert_ffw"),
+    "layers/mlp/experts/down": ("layers", "expert", "expert_ffw", "embed"),
+    "layers/mlp/shared/gate/kernel": ("layers", "embed", "ffw"),
+    "layers/mlp/shared/up/kernel": ("layers", "embed", "ffw"),
+    "layers/mlp/shared/down/kernel": ("layers", "ffw", "embed"),
+    "layers/mlp/shared/scale/kernel": ("layers", "embed", None),
 }
+# The routed experts' weights: a step reads and multiplies only the experts its tokens chose.
+EXPERT_WEIGHTS = ("layers/mlp/experts/gate", "layers/mlp/experts/up", "layers/mlp/experts/down")
 GATHERED_TABLES = ("pos_embed/embedding",)  # read by row, never streamed whole
 
 # Shapes meshserve has no preset for, built with `ModelConfig.from_hf` from the published HF
@@ -119,6 +136,18 @@ PLANNING_MODELS: dict[str, ModelConfig] = {
         "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "bos_token_id": 128000,
         "eos_token_id": 128001,
     }, name="llama-3-8b"),
+    # Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B config.json, all of whose layers are sparse;
+    # their per-head q/k norms (2 * 128 weights a layer) are left out of the counts.
+    "qwen3-30b-a3b": ModelConfig(
+        name="qwen3-30b-a3b", arch="llama", vocab_size=151936, hidden_size=2048,
+        intermediate_size=768, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
+        max_position_embeddings=40960, rope_theta=1e6, norm_eps=1e-6, eos_token_ids=(151645,),
+        moe=MoeConfig(num_experts=128, experts_per_token=8, renormalize=True)),
+    "qwen3-235b-a22b": ModelConfig(
+        name="qwen3-235b-a22b", arch="llama", vocab_size=151936, hidden_size=4096,
+        intermediate_size=1536, num_layers=94, num_heads=64, num_kv_heads=4, head_dim=128,
+        max_position_embeddings=40960, rope_theta=1e6, norm_eps=1e-6, eos_token_ids=(151645,),
+        moe=MoeConfig(num_experts=128, experts_per_token=8, renormalize=True)),
 }
 
 
@@ -270,12 +299,32 @@ def device_weight_bytes(config: ModelConfig, mesh: MeshShape) -> int:
     return sum(math.prod(s) for s in shapes.values()) * bytes_per_element(config.dtype)
 
 
-def streamed_weight_bytes(config: ModelConfig, mesh: MeshShape) -> int:
-    """Weight bytes one step reads whole: all but the tables it only gathers rows of."""
+def streamed_weight_bytes(config: ModelConfig, mesh: MeshShape, tokens: int | None = None) -> int:
+    """Weight bytes one step of `tokens` tokens reads whole: all but the tables it only gathers
+    rows of, and of the routed experts only the share its tokens choose (`experts_read`; all of
+    them when `tokens` is None)."""
     gathered = GATHERED_TABLES + (() if config.tie_embeddings else ("embed/embedding",))
     shapes = device_weight_shapes(config, mesh)
-    elements = sum(math.prod(s) for key, s in shapes.items() if key not in gathered)
-    return elements * bytes_per_element(config.dtype)
+    share = 1.0 if tokens is None else experts_read(config, tokens)
+    elements = sum(math.prod(s) * (share if key in EXPERT_WEIGHTS else 1)
+                   for key, s in shapes.items() if key not in gathered)
+    return round(elements * bytes_per_element(config.dtype))
+
+
+def experts_read(config: ModelConfig, tokens: int) -> float:
+    """The share of the experts a step of `tokens` tokens runs: each token picks k of E, as if
+    at random, so an expert is left idle with probability (1 - k / E) ** tokens. Real routers
+    are less even (fewer experts, more often), which this overestimates; expert parallelism
+    splits the experts evenly, so the share holds on every device."""
+    if config.moe is None:
+        return 1.0
+    return 1 - (1 - config.moe.experts_per_token / config.moe.num_experts) ** tokens
+
+
+def is_expert_split(config: ModelConfig, mesh: MeshShape) -> bool:
+    """The rules table splits the experts over `model` when their count divides."""
+    return (config.moe is not None and mesh.model > 1
+            and config.moe.num_experts % mesh.model == 0)
 
 
 def device_kv_bytes_per_token(config: ModelConfig, mesh: MeshShape) -> int:
@@ -287,16 +336,26 @@ def is_vocab_split(config: ModelConfig, mesh: MeshShape) -> bool:
     return mesh.model > 1 and config.vocab_size % mesh.model == 0
 
 
-def residual_all_reduces_per_layer(mesh: MeshShape) -> int:
-    """Megatron: one after the row-parallel attention-out projection, one after MLP down."""
-    return 2 if mesh.model > 1 else 0
+def residual_all_reduces_per_layer(config: ModelConfig, mesh: MeshShape) -> int:
+    """Megatron: one after the row-parallel attention-out projection, one after MLP down. A
+    mixture of experts has, instead of down's, one that adds the devices' experts
+    (`meshserve.sharding.experts`) when they are split, and one after its shared expert's down
+    when that splits."""
+    if mesh.model == 1:
+        return 0
+    moe = config.moe
+    if moe is None:
+        return 2
+    shared = moe.shared_expert_size > 0 and moe.shared_expert_size % mesh.model == 0
+    return 1 + int(is_expert_split(config, mesh)) + int(shared)
 
 
 def step_all_reduces_of_residual(config: ModelConfig, mesh: MeshShape) -> int:
     """All-reduces of the [tokens, D] residual in one step of the largest stage: the layers'
     and the vocabulary-split embedding lookup's."""
     layers = stage_config(config, mesh).num_layers
-    return residual_all_reduces_per_layer(mesh) * layers + int(is_vocab_split(config, mesh))
+    return (residual_all_reduces_per_layer(config, mesh) * layers
+            + int(is_vocab_split(config, mesh)))
 
 
 def max_batch_per_replica(config: ModelConfig, hardware: HardwareSpec, mesh: MeshShape,
@@ -332,7 +391,7 @@ def step_cost(config: ModelConfig, hardware: HardwareSpec, mesh: MeshShape, *, r
     """`rows` rows of `tokens` new tokens each, attending to `context` positions (theirs
     included)."""
     kv = rows * (context + tokens) * device_kv_bytes_per_token(config, mesh)
-    moved = streamed_weight_bytes(config, mesh) + kv
+    moved = streamed_weight_bytes(config, mesh, rows * tokens) + kv
     return StepCost(memory_s=moved / hardware.hbm_bw,
                     compute_s=step_flops(config, mesh, rows=rows, tokens=tokens,
                                          context=context) / hardware.peak_flops(config.dtype),
@@ -343,11 +402,15 @@ def step_cost(config: ModelConfig, hardware: HardwareSpec, mesh: MeshShape, *, r
 def step_flops(config: ModelConfig, mesh: MeshShape, *, rows: int, tokens: int,
                context: float) -> float:
     """Per device: the layers' matmuls for every token, the logits for each row's last token,
-    and attention (QK^T and AV) of every token over the whole context."""
+    and attention (QK^T and AV) of every token over the whole context. A token runs k of the E
+    routed experts: on average k / E of each device's expert weights."""
     stage = stage_config(config, mesh)
     shapes = device_weight_shapes(config, mesh)
     layer_params = sum(math.prod(s) for key, s in shapes.items()
                        if key.startswith("layers/") and key.endswith("/kernel"))
+    if config.moe is not None:
+        routed = config.moe.experts_per_token / config.moe.num_experts
+        layer_params += routed * sum(math.prod(shapes[key]) for key in EXPERT_WEIGHTS)
     head_params = math.prod(shapes["embed/embedding" if config.tie_embeddings
                                    else "lm_head/kernel"])
     heads = stage.num_heads // mesh.model
@@ -601,7 +664,8 @@ def plan_mesh(config: ModelConfig, hardware: HardwareSpec, mesh: MeshShape, work
               for rows in rows_per_replica(batch, mesh.data) if rows]
     busiest = cycles[0]
     return MeshPlan(
-        mesh=mesh, notes=mesh_notes(config, hardware, mesh, workload, max_batch), **memory,
+        mesh=mesh, notes=mesh_notes(config, hardware, mesh, workload, max_batch,
+                                    -(-busiest.rows // busiest.microbatches)), **memory,
         max_batch=max_batch, batch=batch, decode_tick_s=busiest.decode_tick_s,
         decode_memory_s=busiest.decode_tick.memory_s,
         decode_compute_s=busiest.decode_tick.compute_s,
@@ -631,13 +695,19 @@ def rows_per_replica(batch: int, replicas: int) -> list[int]:
 
 
 def mesh_notes(config: ModelConfig, hardware: HardwareSpec, mesh: MeshShape, workload: Workload,
-               max_batch: int) -> tuple[str, ...]:
+               max_batch: int, decode_rows: int = 1) -> tuple[str, ...]:
     notes = []
     stage = stage_config(config, mesh)
     if stage.num_kv_heads != config.num_kv_heads:
         notes.append(f"kv heads padded {config.num_kv_heads}->{stage.num_kv_heads}")
     if mesh.model > 1 and not is_vocab_split(config, mesh):
         notes.append(f"vocab {config.vocab_size} replicated over model={mesh.model}")
+    if config.moe is not None:
+        if mesh.model > 1 and not is_expert_split(config, mesh):
+            notes.append(f"{config.moe.num_experts} experts replicated over model={mesh.model}")
+        share = experts_read(config, decode_rows)
+        if share < 0.995:  # the mixture's saving at small batch
+            notes.append(f"a decode tick reads {share:.0%} of the experts")
     if model_link_bandwidth(hardware, mesh) != hardware.link_bw:
         notes.append("model axis crosses nodes")
     if mesh.stage > 1 and stage_link_bandwidth(hardware, mesh) != hardware.link_bw:
@@ -648,5 +718,6 @@ def mesh_notes(config: ModelConfig, hardware: HardwareSpec, mesh: MeshShape, wor
 
 
 def model_summary(config: ModelConfig) -> str:
-    return (f"{config.name} ({config.dtype}, {config.num_params / 1e9:.2f}B params, "
+    active = "" if config.moe is None else f", {config.num_active_params / 1e9:.2f}B active"
+    return (f"{config.name} ({config.dtype}, {config.num_params / 1e9:.2f}B params{active}, "
             f"{weight_bytes(config) / 1e9:.1f} GB of weights)")

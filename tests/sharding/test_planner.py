@@ -16,7 +16,7 @@ import jax
 import pytest
 from flax import nnx
 
-from meshserve.model.config import ModelConfig
+from meshserve.model.config import ModelConfig, MoeConfig
 from meshserve.model.transformer import abstract_model
 from meshserve.serving.bench.plan_command import add_plan_parser, run as run_plan
 from meshserve.sharding import padding, planner
@@ -33,7 +33,10 @@ COMPILED_CASES = [
     ("tiny-llama", "data=2,model=2", 1),
     ("tiny-gpt2", "model=2", 1),
     ("tiny-llama", "model=2", 16),  # a prefill bucket: N = 4 rows * 16 tokens
+    ("tiny-mixtral", "model=2", 1),  # 4 experts, 2 a device
+    ("tiny-mixtral", "model=4", 1),  # one expert a device
 ]
+DECODE_CASES = [case for case in COMPILED_CASES if case[2] == 1]
 # Round numbers, so the hand computations below read easily.
 TOY = HardwareSpec(name="toy", flops=1e12, f32_flops=1e11, hbm_bw=1e11, hbm=1e6, link_bw=1e10,
                    per_node=8)
@@ -66,7 +69,9 @@ def test_head_counts_pad_as_the_padding_module_does(preset, overrides):
 
 @pytest.mark.parametrize("preset,overrides", [
     ("tiny-llama", {}), ("tiny-llama", {"qkv_bias": True}),
-    ("tiny-llama", {"tie_embeddings": True}), ("tiny-gpt2", {}),
+    ("tiny-llama", {"tie_embeddings": True}), ("tiny-gpt2", {}), ("tiny-mixtral", {}),
+    ("tiny-mixtral", {"moe": MoeConfig(num_experts=4, experts_per_token=2, renormalize=False,
+                                       shared_expert_size=32)}),
 ])
 def test_weight_axes_are_the_models_declarations(preset, overrides):
     config = ModelConfig.preset(preset, **overrides)
@@ -81,7 +86,7 @@ def test_weight_axes_are_the_models_declarations(preset, overrides):
 # --- Against the compiled step ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("preset,mesh,tokens", COMPILED_CASES[:4])
+@pytest.mark.parametrize("preset,mesh,tokens", DECODE_CASES)
 def test_weight_bytes_per_device_equal_the_placed_shards(preset, mesh, tokens):
     step = tensor_parallel_step(preset, mesh, tokens)
     config = ModelConfig.preset(preset)
@@ -92,7 +97,7 @@ def test_weight_bytes_per_device_equal_the_placed_shards(preset, mesh, tokens):
         assert held == want
 
 
-@pytest.mark.parametrize("preset,mesh,tokens", COMPILED_CASES[:4])
+@pytest.mark.parametrize("preset,mesh,tokens", DECODE_CASES)
 def test_weight_and_kv_bytes_are_xlas_argument_bytes(preset, mesh, tokens):
     # XLA's accounting of one device's arguments: the weights, the donated (aliased) KV pages,
     # and the per-row step arrays.
@@ -121,12 +126,12 @@ def test_all_reduces_per_layer_equal_the_hlos(preset, mesh, tokens):
     in_layer = [op for op in hlo.ops("all-reduce", body) if op.shapes == residual]
     outside = [op for op in hlo.ops("all-reduce", set(hlo.computations) - body)
                if op.shapes == residual]
-    assert len(in_layer) == planner.residual_all_reduces_per_layer(shape)
+    assert len(in_layer) == planner.residual_all_reduces_per_layer(config, shape)
     assert (len(in_layer) * config.num_layers + len(outside)
             == planner.step_all_reduces_of_residual(config, shape))
 
 
-@pytest.mark.parametrize("preset,mesh,tokens", COMPILED_CASES[:4])
+@pytest.mark.parametrize("preset,mesh,tokens", DECODE_CASES)
 def test_sampler_collectives_equal_the_hlos_greedy_path(preset, mesh, tokens):
     step = tensor_parallel_step(preset, mesh, tokens)
     config, hlo = ModelConfig.preset(preset), step.hlo
@@ -255,6 +260,44 @@ def test_concurrency_is_capped_by_the_max_batch():
     assert "concurrency capped at 151" in only.notes
 
 
+# tiny-mixtral in bfloat16: tiny-llama with 4 experts of width 128 in place of the MLP, 2 a
+# token. Per layer: attention 12,288, router 64*4 = 256, experts 4 * 3 * 64*128 = 98,304.
+MIXTURE = ModelConfig.preset("tiny-mixtral", dtype="bfloat16")
+MIXTURE_LAYER = 12_288 + 256 + 98_304 + 128  # with the two norms
+
+
+def test_mixture_counts_by_hand():
+    one = MeshShape(1, 1, 1)
+    assert MIXTURE.num_params == 32_768 + 2 * MIXTURE_LAYER + 64 + 32_768
+    assert MIXTURE.num_active_params == MIXTURE.num_params - 2 * 2 * 3 * 64 * 128
+    assert planner.experts_read(MIXTURE, 1) == 0.5  # one token runs 2 of the 4
+    assert planner.experts_read(MIXTURE, 3) == 1 - 0.5 ** 3
+    assert planner.experts_read(TINY, 1) == 1
+    every = planner.streamed_weight_bytes(MIXTURE, one)
+    assert every == 2 * (MIXTURE.num_params - 32_768)
+    assert planner.streamed_weight_bytes(MIXTURE, one, tokens=1) == every - 2 * 2 * 98_304 // 2
+    # Expert parallelism: model=2 holds 2 whole experts a device.
+    shapes = planner.device_weight_shapes(MIXTURE, MeshShape(1, 1, 2))
+    assert shapes["layers/mlp/experts/gate"] == (2, 2, 64, 128)
+    cost = planner.step_cost(MIXTURE, TOY, one, rows=2, tokens=1, context=10)
+    flops = (2 * 2 * 2 * (12_288 + 256 + 98_304 / 2)  # a token runs half of the expert weights
+             + 2 * 2 * 32_768 + 4 * 2 * 10 * 4 * 16 * 2)
+    assert cost.compute_s == pytest.approx(flops / 1e12)
+
+
+def test_mixture_all_reduces_follow_the_rules_table():
+    shared = MIXTURE.replace(moe=MoeConfig(num_experts=4, experts_per_token=2, renormalize=True,
+                                           shared_expert_size=32))
+    assert planner.residual_all_reduces_per_layer(MIXTURE, MeshShape(1, 1, 1)) == 0
+    assert planner.residual_all_reduces_per_layer(MIXTURE, MeshShape(1, 1, 2)) == 2
+    assert planner.residual_all_reduces_per_layer(shared, MeshShape(1, 1, 2)) == 3
+    # 4 experts do not divide over 3 devices: replicated, so only attention's all-reduce.
+    assert planner.residual_all_reduces_per_layer(MIXTURE, MeshShape(1, 1, 3)) == 1
+    three = next(m for m in planner.plan(MIXTURE, HARDWARE["h100-sxm"], 3, LONG).meshes
+                 if m.mesh == MeshShape(1, 1, 3))
+    assert "4 experts replicated over model=3" in three.notes
+
+
 # --- Big presets ------------------------------------------------------------------------------
 
 LONG = Workload(prompt_len=1024, output_len=1024)
@@ -297,6 +340,25 @@ def test_when_no_mesh_meets_the_slos_the_closest_is_shown():
     assert closest.feasible and not closest.meets_slo
     assert closest.slo_excess(result.slo) == min(m.slo_excess(result.slo) for m in result.meshes
                                                  if m.feasible)
+
+
+def test_mixtures_of_experts_plan_with_their_published_sizes():
+    # Qwen's model cards: 30.5B parameters with 3.3B activated; 235B with 22B activated.
+    small = planner.resolve_model("qwen3-30b-a3b")
+    assert small.num_params / 1e9 == pytest.approx(30.5, abs=0.05)
+    assert small.num_active_params / 1e9 == pytest.approx(3.3, rel=0.02)
+    big = planner.resolve_model("qwen3-235b-a22b")
+    assert big.num_params / 1e9 == pytest.approx(235, abs=0.5)
+    assert big.num_active_params / 1e9 == pytest.approx(22, rel=0.02)
+    mixtral = planner.plan("mixtral-8x7b", HARDWARE["h100-sxm"], 8, LONG)
+    assert mixtral.recommended is not None and mixtral.recommended.mesh.model > 1
+    alone = planner.plan("qwen3-30b-a3b", HARDWARE["h100-sxm"], 1,
+                         Workload(prompt_len=1024, output_len=1024, concurrency=1))
+    (one,) = alone.meshes
+    assert one.feasible and "a decode tick reads 6% of the experts" in one.notes
+    # At batch 1 a decode step reads the weights a token runs, not all of them.
+    dense_bytes = planner.streamed_weight_bytes(small.replace(dtype="bfloat16"), MeshShape(1, 1, 1))
+    assert one.decode_memory_s * HARDWARE["h100-sxm"].hbm_bw < 0.2 * dense_bytes
 
 
 def test_llama_3_8b_is_a_planning_shape():
