@@ -36,7 +36,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tokenizers import Tokenizer as BackendTokenizer
 
-from meshserve.model.config import DTYPES, ModelConfig, RopeScaling
+from meshserve.model.config import DTYPES, ModelConfig, MoeConfig, RopeScaling
 from meshserve.model.tokenizer import SpecialTokens, Tokenizer
 from meshserve.model.transformer import abstract_model, model_from_params, param_paths
 
@@ -70,7 +70,8 @@ class Manifest:
 # -- config as JSON ------------------------------------------------------------------------------
 
 def config_to_json(config: ModelConfig) -> str:
-    """Every field of `config`, nested `RopeScaling` included; `config_from_json` inverts it."""
+    """Every field of `config`, nested `RopeScaling` and `MoeConfig` included; `config_from_json`
+    inverts it."""
     return json.dumps(dataclasses.asdict(config), indent=2)
 
 
@@ -90,9 +91,11 @@ def config_from_json(text: str) -> ModelConfig:
     if not isinstance(scaling, dict) or set(scaling) != scaling_fields:
         raise ValueError(f"rope_scaling must be an object with fields {sorted(scaling_fields)}, "
                          f"got {scaling!r}")
+    moe = data["moe"]
     try:
         return ModelConfig(**(data | {"rope_scaling": RopeScaling(**scaling),
-                                      "eos_token_ids": tuple(data["eos_token_ids"])}))
+                                      "eos_token_ids": tuple(data["eos_token_ids"]),
+                                      "moe": None if moe is None else MoeConfig(**moe)}))
     except TypeError as err:
         raise ValueError(f"a model config field has the wrong type: {err}") from None
 

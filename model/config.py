@@ -10,8 +10,8 @@ Two architectures share it:
 - `gpt2`: learned positions, LayerNorm, GELU, fused qkv (the GPT-3 shape).
 
 A llama config with `moe` set swaps each layer's SwiGLU for a mixture of experts
-(`meshserve.model.moe`): Mixtral, Qwen2-MoE (with its gated shared expert) and Qwen3-MoE. Its
-`intermediate_size` is then the width of each expert.
+(`meshserve.model.moe`): Mixtral, Qwen2-MoE (with its gated shared expert) and Qwen3-MoE (with
+`qk_norm`, per-head q/k RMSNorms). Its `intermediate_size` is then the width of each expert.
 
 This module imports neither jax nor flax.
 """
@@ -105,6 +105,7 @@ class ModelConfig:
     dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    qk_norm: bool = False  # an RMSNorm over each head's q and k before RoPE (Qwen3-MoE)
     moe: MoeConfig | None = None  # a mixture of experts in place of each layer's MLP (llama)
 
     def __post_init__(self):
@@ -135,7 +136,7 @@ class ModelConfig:
         kv = 2 * d * self.num_kv_heads * self.head_dim
         if self.arch == "llama":
             mlp = 3 * d * f if self.moe is None else self.moe.params_per_layer(d, f)
-            per_layer = 2 * q + kv + mlp + 2 * d
+            per_layer = 2 * q + kv + mlp + 2 * d + 2 * self.head_dim * self.qk_norm
             if self.qkv_bias:
                 per_layer += (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
             head = 0 if self.tie_embeddings else d * v
@@ -328,6 +329,14 @@ def _gpt(name: str, hidden: int, layers: int, heads: int, vocab: int, positions:
     )
 
 
+def _small_mixtral(name: str, *, intermediate_size: int, moe: MoeConfig | None) -> ModelConfig:
+    return ModelConfig(
+        name=name, arch="llama", vocab_size=8192, hidden_size=512,
+        intermediate_size=intermediate_size, num_layers=8, num_heads=8, num_kv_heads=4,
+        head_dim=64, max_position_embeddings=2048, rope_theta=1e6, norm_eps=1e-5,
+        eos_token_ids=(2,), moe=moe)
+
+
 PRESETS: dict[str, ModelConfig] = {
     "tiny-llama": ModelConfig(
         name="tiny-llama", arch="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
@@ -358,6 +367,12 @@ PRESETS: dict[str, ModelConfig] = {
         rope_theta=10000.0, norm_eps=1e-5, eos_token_ids=(1,),
         moe=MoeConfig(num_experts=4, experts_per_token=2, renormalize=True),
     ),
+    # A mixture big enough for its matmuls to count on a CPU, and its dense twin: one MLP as wide
+    # as the two experts a token runs, so both run the same active parameters (less the router).
+    "small-mixtral": _small_mixtral("small-mixtral", intermediate_size=1024, moe=MoeConfig(
+        num_experts=8, experts_per_token=2, renormalize=True)),
+    "small-mixtral-dense": _small_mixtral("small-mixtral-dense", intermediate_size=2048,
+                                          moe=None),
     "mixtral-8x7b": ModelConfig(
         name="mixtral-8x7b", arch="llama", vocab_size=32000, hidden_size=4096,
         intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
@@ -386,12 +401,12 @@ def kv_bytes_per_token(config: ModelConfig) -> int:
 
 # HF model types whose layers are all sparse: attention as in `llama` (Qwen2-MoE with qkv bias),
 # and a mixture of experts for the MLP.
-HF_MOE_TYPES = ("mixtral", "qwen2_moe")
+HF_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # GGUF architectures of llama.cpp's converter for them; Mixtral is `llama` with `expert_count`.
-GGUF_MOE_ARCHS = ("qwen2moe",)
+GGUF_MOE_ARCHS = ("qwen2moe", "qwen3moe")
 # Whether llama.cpp renormalises the top-k weights, per architecture, where the file does not say
 # (`{arch}.expert_weights_norm`).
-GGUF_MOE_RENORMALIZE = {"llama": True, "qwen2moe": False}
+GGUF_MOE_RENORMALIZE = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 
 
 def _from_hf_moe(hf: Mapping[str, Any]) -> ModelConfig:
@@ -410,7 +425,8 @@ def _from_hf_moe(hf: Mapping[str, Any]) -> ModelConfig:
                     shared_expert_size=hf.get("shared_expert_intermediate_size", 0))
     return _from_hf_llama(hf).replace(
         intermediate_size=hf["moe_intermediate_size"], moe=moe,
-        qkv_bias=model_type == "qwen2_moe" or bool(hf.get("attention_bias", False)))
+        qkv_bias=model_type == "qwen2_moe" or bool(hf.get("attention_bias", False)),
+        qk_norm=model_type == "qwen3_moe")
 
 
 def _require_all_layers_sparse(hf: Mapping[str, Any]) -> None:
@@ -429,7 +445,7 @@ def _from_gguf_moe(fields: Mapping[str, Any], arch: str) -> ModelConfig:
     p = arch + "."
     width = fields.get(p + "expert_feed_forward_length") or base.intermediate_size
     return base.replace(intermediate_size=int(width), qkv_bias=arch == "qwen2moe",
-                        moe=_gguf_moe(fields, arch))
+                        qk_norm=arch == "qwen3moe", moe=_gguf_moe(fields, arch))
 
 
 def _gguf_moe(fields: Mapping[str, Any], arch: str) -> MoeConfig:

@@ -93,10 +93,12 @@ def _flat_matmul(spec: str, x: jax.Array, kernel: jax.Array) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
+    """Over the last axis, whose logical name is `axis` (`head_dim` for per-head q/k norms)."""
+
     def __init__(self, dim: int, *, eps: float, dtype: str, rngs: nnx.Rngs,
-                 stack: tuple[int, ...] = ()):
+                 stack: tuple[int, ...] = (), axis: str = "embed"):
         self.eps = eps
-        self.scale = param(rngs, (dim,), ("embed",), dtype=dtype, init=constant_init(1.0),
+        self.scale = param(rngs, (dim,), (axis,), dtype=dtype, init=constant_init(1.0),
                            stack=stack)
 
     def __call__(self, x: jax.Array) -> jax.Array:

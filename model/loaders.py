@@ -79,6 +79,8 @@ def _llama_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
         "layers/attn/k/kernel": (L, D, K, h),
         "layers/attn/v/kernel": (L, D, K, h),
     }
+    if c.qk_norm:
+        shapes.update({"layers/attn/q_norm/scale": (L, h), "layers/attn/k_norm/scale": (L, h)})
     if c.qkv_bias:
         shapes.update({
             "layers/attn/q/bias": (L, H, h),
@@ -245,6 +247,8 @@ def llama_conversions(c: ModelConfig, *, permuted_qk: bool) -> dict[str, Convers
         "layers/attn/q/kernel": Conversion((H * h, D), q),
         "layers/attn/k/kernel": Conversion((K * h, D), k),
         "layers/attn/v/kernel": Conversion((K * h, D), _transposed_reshaped(D, K, h)),
+        "layers/attn/q_norm/scale": Conversion((h,), _identity),
+        "layers/attn/k_norm/scale": Conversion((h,), _identity),
         "layers/attn/q/bias": Conversion((H * h,), _reshaped(H, h)),
         "layers/attn/k/bias": Conversion((K * h,), _reshaped(K, h)),
         "layers/attn/v/bias": Conversion((K * h,), _reshaped(K, h)),
@@ -395,6 +399,8 @@ GGUF_LLAMA_NAMES = {
     "layers/attn/q/kernel": "blk.{i}.attn_q.weight",
     "layers/attn/k/kernel": "blk.{i}.attn_k.weight",
     "layers/attn/v/kernel": "blk.{i}.attn_v.weight",
+    "layers/attn/q_norm/scale": "blk.{i}.attn_q_norm.weight",
+    "layers/attn/k_norm/scale": "blk.{i}.attn_k_norm.weight",
     "layers/attn/q/bias": "blk.{i}.attn_q.bias",
     "layers/attn/k/bias": "blk.{i}.attn_k.bias",
     "layers/attn/v/bias": "blk.{i}.attn_v.bias",
@@ -551,6 +557,8 @@ HF_LLAMA_NAMES = {
     "layers/attn/q/kernel": "model.layers.{i}.self_attn.q_proj.weight",
     "layers/attn/k/kernel": "model.layers.{i}.self_attn.k_proj.weight",
     "layers/attn/v/kernel": "model.layers.{i}.self_attn.v_proj.weight",
+    "layers/attn/q_norm/scale": "model.layers.{i}.self_attn.q_norm.weight",
+    "layers/attn/k_norm/scale": "model.layers.{i}.self_attn.k_norm.weight",
     "layers/attn/q/bias": "model.layers.{i}.self_attn.q_proj.bias",
     "layers/attn/k/bias": "model.layers.{i}.self_attn.k_proj.bias",
     "layers/attn/v/bias": "model.layers.{i}.self_attn.v_proj.bias",

@@ -36,11 +36,16 @@ class LlamaAttention(nnx.Module):
                        **kw)
         self.o = Dense("nqh,qhd->nd", (c.num_heads, h, d), ("heads", "head_dim", "embed"),
                        dtype=c.dtype, rngs=rngs, stack=stack)
+        norm = dict(eps=c.norm_eps, dtype=c.dtype, rngs=rngs, stack=stack, axis="head_dim")
+        self.q_norm = RMSNorm(h, **norm) if c.qk_norm else None
+        self.k_norm = RMSNorm(h, **norm) if c.qk_norm else None
 
     def __call__(self, x, ctx, layer, rope):
         cos, sin = rope
-        q = apply_rope(self.q(x), cos, sin)  # [N, H, h]
-        k = apply_rope(self.k(x), cos, sin)  # [N, K, h]
+        q, k = self.q(x), self.k(x)  # [N, H, h], [N, K, h]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out, ctx = ctx.attend(q, k, self.v(x), layer)
         return self.o(out), ctx
 

@@ -95,6 +95,8 @@ WEIGHT_AXES: dict[str, tuple[str, ...]] = {
     "layers/attn/q/kernel": ("layers", "embed", "heads", "head_dim"),
     "layers/attn/k/kernel": ("layers", "embed", "kv_heads", "head_dim"),
     "layers/attn/v/kernel": ("layers", "embed", "kv_heads", "head_dim"),
+    "layers/attn/q_norm/scale": ("layers", "head_dim"),
+    "layers/attn/k_norm/scale": ("layers", "head_dim"),
     "layers/attn/q/bias": ("layers", "heads", "head_dim"),
     "layers/attn/k/bias": ("layers", "kv_heads", "head_dim"),
     "layers/attn/v/bias": ("layers", "kv_heads", "head_dim"),
@@ -136,18 +138,17 @@ PLANNING_MODELS: dict[str, ModelConfig] = {
         "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "bos_token_id": 128000,
         "eos_token_id": 128001,
     }, name="llama-3-8b"),
-    # Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B config.json, all of whose layers are sparse;
-    # their per-head q/k norms (2 * 128 weights a layer) are left out of the counts.
+    # Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B config.json, all of whose layers are sparse.
     "qwen3-30b-a3b": ModelConfig(
         name="qwen3-30b-a3b", arch="llama", vocab_size=151936, hidden_size=2048,
         intermediate_size=768, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
         max_position_embeddings=40960, rope_theta=1e6, norm_eps=1e-6, eos_token_ids=(151645,),
-        moe=MoeConfig(num_experts=128, experts_per_token=8, renormalize=True)),
+        qk_norm=True, moe=MoeConfig(num_experts=128, experts_per_token=8, renormalize=True)),
     "qwen3-235b-a22b": ModelConfig(
         name="qwen3-235b-a22b", arch="llama", vocab_size=151936, hidden_size=4096,
         intermediate_size=1536, num_layers=94, num_heads=64, num_kv_heads=4, head_dim=128,
         max_position_embeddings=40960, rope_theta=1e6, norm_eps=1e-6, eos_token_ids=(151645,),
-        moe=MoeConfig(num_experts=128, experts_per_token=8, renormalize=True)),
+        qk_norm=True, moe=MoeConfig(num_experts=128, experts_per_token=8, renormalize=True)),
 }
 
 

@@ -26,7 +26,7 @@ from meshserve.model.steps import forward_dense
 from meshserve.model.transformer import model_from_params
 from tests.model.test_loaders import llamacpp_permute, write_gguf
 
-FAMILIES = ["tiny-mixtral", "tiny-qwen2-moe"]
+FAMILIES = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"]
 
 
 def dense_reference(x, chosen, weights, gate, up, down):
@@ -146,17 +146,20 @@ def test_gguf_written_from_the_same_weights_loads_to_hf_logits(family, tmp_path)
     directory, config, _, reference = family
     path = write_moe_gguf(directory, tmp_path / "model.gguf")
     gguf_config, params = load_gguf(path)
-    assert gguf_config.moe == config.moe and gguf_config.qkv_bias == config.qkv_bias
+    assert gguf_config.moe == config.moe
+    assert (gguf_config.qkv_bias, gguf_config.qk_norm) == (config.qkv_bias, config.qk_norm)
     _assert_logits_match(_logits(model_from_params(gguf_config, params),
                                  reference["input_ids"]), reference["logits"])
 
 
 # llama.cpp's converter writes Mixtral as `llama` (Q and K rows permuted for its RoPE) with an
-# expert count, and Qwen2-MoE as `qwen2moe`; experts stacked [E, out, in] as `ffn_*_exps`.
-GGUF_ARCHS = {"mixtral": "llama", "qwen2_moe": "qwen2moe"}
+# expert count, Qwen2-MoE as `qwen2moe` and Qwen3-MoE as `qwen3moe`; experts stacked
+# [E, out, in] as `ffn_*_exps`.
+GGUF_ARCHS = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 GGUF_ATTENTION = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
                   "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                   "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+                  "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
                   "block_sparse_moe.gate": "ffn_gate_inp", "mlp.gate": "ffn_gate_inp",
                   "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
                   "mlp.shared_expert.up_proj": "ffn_up_shexp",
@@ -249,6 +252,15 @@ def test_a_checkpoint_missing_an_expert_names_the_tensor(golden_dir, tmp_path):
     with pytest.raises(ValueError, match=r"lacks tensor 'model\.layers\.1\.block_sparse_moe\."
                                          r"experts\.\{e\}\.w3\.weight'"):
         load_hf(tmp_path)
+
+
+def test_moe_config_round_trips_through_a_checkpoints_json():
+    from meshserve.model.checkpoint import config_from_json, config_to_json
+
+    config = ModelConfig.preset("tiny-mixtral", qk_norm=True)
+    assert config_from_json(config_to_json(config)) == config
+    with pytest.raises(ValueError, match="wrong type"):
+        config_from_json(config_to_json(config).replace('"num_experts"', '"experts"'))
 
 
 def test_moe_config_counts_total_and_active_parameters():

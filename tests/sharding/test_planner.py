@@ -70,6 +70,7 @@ def test_head_counts_pad_as_the_padding_module_does(preset, overrides):
 @pytest.mark.parametrize("preset,overrides", [
     ("tiny-llama", {}), ("tiny-llama", {"qkv_bias": True}),
     ("tiny-llama", {"tie_embeddings": True}), ("tiny-gpt2", {}), ("tiny-mixtral", {}),
+    ("tiny-mixtral", {"qk_norm": True}),
     ("tiny-mixtral", {"moe": MoeConfig(num_experts=4, experts_per_token=2, renormalize=False,
                                        shared_expert_size=32)}),
 ])
