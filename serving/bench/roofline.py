@@ -3,6 +3,9 @@
     floor(B) = max(weight_bytes / bandwidth, 2 * B * params / matmul_rate)
                + B * kv_bytes_read / bandwidth
 
+For a mixture of experts, `params` are those a token runs and `weight_bytes` leave out the
+experts that B tokens are expected not to choose (`meshserve.sharding.planner.experts_read`).
+
 Bandwidth is measured as a large array copy through XLA, counting bytes read plus bytes written;
 the matmul rate as a large float32 matmul. Both are medians over several runs, measured in the
 same process as the step they judge, since shared machines drift.
@@ -22,6 +25,7 @@ import numpy as np
 from meshserve.batching.plan import sub_batch_from_rows
 from meshserve.model.config import ModelConfig, kv_bytes_per_token, weight_bytes
 from meshserve.model.runner import ModelRunner
+from meshserve.sharding.planner import experts_read
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,9 +92,18 @@ def measure_machine() -> Machine:
 
 def decode_floor(config: ModelConfig, machine: Machine, *, batch: int, context: int) -> float:
     """Seconds one decode step of `batch` sequences of `context` tokens cannot beat."""
-    weights = max(weight_bytes(config) / machine.bandwidth,
-                  2 * batch * config.num_params / machine.matmul_rate)
+    weights = max(read_weight_bytes(config, batch) / machine.bandwidth,
+                  2 * batch * config.num_active_params / machine.matmul_rate)
     return weights + batch * context * kv_bytes_per_token(config) / machine.bandwidth
+
+
+def read_weight_bytes(config: ModelConfig, batch: int) -> float:
+    """Weight bytes a decode step of `batch` tokens reads: all but the experts left idle."""
+    if config.moe is None:
+        return weight_bytes(config)
+    experts = config.num_layers * config.moe.num_experts * 3 * config.hidden_size \
+        * config.intermediate_size * weight_bytes(config) / config.num_params
+    return weight_bytes(config) - experts * (1 - experts_read(config, batch))
 
 
 def measure_decode_step(runner: ModelRunner, *, batch: int, context: int,

@@ -152,3 +152,15 @@ def test_loading_onto_an_expert_parallel_mesh_gives_each_device_its_experts(gold
         expert_slice = shard.index[1]
         assert shard.data.shape == (want.shape[0], half, *want.shape[2:])
         np.testing.assert_array_equal(np.asarray(shard.data), want[:, expert_slice])
+
+
+def test_the_roofline_floor_counts_the_experts_a_batch_reads():
+    from meshserve.model.config import ModelConfig, weight_bytes
+    from meshserve.serving.bench.roofline import read_weight_bytes
+
+    moe, dense = ModelConfig.preset("small-mixtral"), ModelConfig.preset("small-mixtral-dense")
+    # One token runs 2 of the 8 experts: the dense twin's MLP width, plus the router.
+    router = 4 * moe.num_layers * moe.hidden_size * moe.moe.num_experts
+    assert read_weight_bytes(moe, 1) == pytest.approx(read_weight_bytes(dense, 1) + router)
+    assert read_weight_bytes(moe, 64) == pytest.approx(weight_bytes(moe), rel=1e-6)
+    assert read_weight_bytes(dense, 64) == weight_bytes(dense)
