@@ -1,7 +1,8 @@
 """The mixture-of-experts MLP (meshserve.model.moe) and its families against HF transformers.
 
 - The grouped matmul of sorted tokens equals every expert computed densely and then picked, and
-  equals `jax.lax.ragged_dot`, for groups that are empty, span several tiles or hold every row.
+  equals `jax.lax.ragged_dot` (on one device, and partitioned with its experts split over two
+  fake devices), for groups that are empty, span several tiles or hold every row.
 - Routing: softmax then top-k, renormalised or not.
 - Tiny random Mixtral, Qwen2-MoE (shared expert) and Qwen3-MoE models saved by HF
   (tests/golden, scripts/make_moe_golden.py): logits of a full forward pass within 1e-4 of HF's
@@ -58,6 +59,23 @@ def test_grouped_swiglu_equals_every_expert_picked_and_ragged_dot(tile):
     np.testing.assert_array_equal(got[17:], 0)
     ragged = moe.grouped_swiglu_ragged(rows, sizes, gate, up, down)
     np.testing.assert_allclose(got[:17], ragged[:17], rtol=1e-5, atol=1e-5)
+
+
+def test_ragged_dot_runs_with_its_experts_split_over_a_fake_mesh():
+    """jax.lax.ragged_dot on XLA:CPU, partitioned by XLA with the experts split over 2 devices."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    rng = np.random.default_rng(3)
+    gate, up, down = _expert_weights(rng)
+    rows = jnp.asarray(rng.standard_normal((20, 8)), jnp.float32)
+    sizes = jnp.array([7, 0, 9, 1], jnp.int32)
+    mesh = jax.make_mesh((2,), ("model",), axis_types=(AxisType.Auto,),
+                         devices=jax.devices()[:2])
+    split = lambda a: jax.device_put(a, NamedSharding(mesh, PartitionSpec("model")))  # noqa: E731
+    got = jax.jit(moe.grouped_swiglu_ragged)(rows, sizes, split(gate), split(up), split(down))
+    assert len(got.sharding.device_set) == 2
+    want = moe.grouped_swiglu(rows, sizes, gate, up, down, tile=4)
+    np.testing.assert_allclose(got[:17], want[:17], rtol=1e-5, atol=1e-5)
 
 
 def test_one_expert_taking_every_assignment_runs_them_all():
