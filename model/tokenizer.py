@@ -14,8 +14,9 @@ Invariants:
 * `eos_token_ids` always contains the EOS id first, followed by any end-of-turn token the chat
   template emits (e.g. `<|im_end|>`), so generation stops at the end of an assistant turn.
 * `apply_chat_template` renders the Jinja template the way HF transformers does: sandboxed,
-  `trim_blocks` and `lstrip_blocks`, with `raise_exception`, `strftime_now` and `tojson`.
-  Message content is data, never template code. Roles are limited to `CHAT_ROLES`. As in HF
+  `trim_blocks` and `lstrip_blocks`, with `raise_exception`, `strftime_now` and `tojson`, and
+  the `tools` variable (OpenAI-style function definitions, or None). `renders_tools` says
+  whether the template shows the model those tools. Message content is data, never template code. Roles are limited to `CHAT_ROLES`. As in HF
   transformers, special-token text inside content (`<|im_start|>`) encodes to the special token.
 * Text with a lone surrogate (no UTF-8 form) is refused with a ValueError naming where it is.
 * `IncrementalDecoder` never returns a partial UTF-8 character, and the concatenation of its
@@ -41,6 +42,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 REPLACEMENT_CHAR = "\ufffd"
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
+TOOL_PROBE_NAME = "meshserve_tool_probe"
 END_OF_TURN_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 
 LLAMA3_SPLIT = (
@@ -307,6 +309,7 @@ class Tokenizer:
         self._special = special
         self._chat_template = chat_template
         self._max_token_chars: int | None = None
+        self._renders_tools: bool | None = None
 
     @classmethod
     def from_file(cls, path: str | Path, tokenizer_config: Mapping[str, Any] | None = None) -> Tokenizer:
@@ -400,8 +403,12 @@ class Tokenizer:
         """Text for `ids`; special tokens are dropped unless `skip_special_tokens` is False."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
-        """Render `messages` with the model's chat template, as HF transformers would."""
+    def apply_chat_template(
+        self, messages: list[dict], *, add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
+        """Render `messages` with the model's chat template, as HF transformers would; `tools` are
+        function definitions (`{"type": "function", "function": {...}}`) for a template that
+        declares them (see `renders_tools`)."""
         if not self._chat_template:
             raise ValueError(
                 "This tokenizer has no chat template; use a model that ships one "
@@ -412,10 +419,32 @@ class Tokenizer:
         template = compile_chat_template(self._chat_template)
         try:
             return template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self._template_tokens()
+                messages=messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                **self._template_tokens(),
             )
         except jinja2.exceptions.TemplateError as error:
             raise ValueError(f"The chat template rejected these messages: {error}") from error
+
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template declares tools: given a probe function in `tools`, the prompt
+        it renders names it. A template that mentions no tools, or ignores them, does not."""
+        if self._renders_tools is None:
+            self._renders_tools = self._probe_tools()
+        return self._renders_tools
+
+    def _probe_tools(self) -> bool:
+        if not self._chat_template or "tools" not in self._chat_template:
+            return False
+        probe = {"type": "function", "function": {
+            "name": TOOL_PROBE_NAME, "description": "A probe.", "parameters": {"type": "object", "properties": {}}}}
+        try:
+            rendered = self.apply_chat_template([{"role": "user", "content": "Hello."}], tools=[probe])
+        except ValueError:  # a template that refuses a plain conversation with tools declares none
+            return False
+        return TOOL_PROBE_NAME in rendered
 
     def _template_tokens(self) -> dict[str, str | None]:
         """The special-token variables a chat template may reference."""

@@ -12,9 +12,10 @@ the drain and the metrics. Endpoints:
     GET  /metrics               the Prometheus text (the same registry as --metrics-port)
 
 Structured output (`response_format`, vLLM's `guided_*` and `structured_outputs`) and tool calls
-(`tools` with `tool_choice` "required" or a named function) are read by
-`meshserve.serving.openai_structured` into the request's constraint; a tool call comes back as a
-`tool_calls` message, or as OpenAI's tool-call deltas when streamed.
+(`tools`, `tool_choice`, `parallel_tool_calls`) are read by `meshserve.serving.openai_structured`
+into the request's constraint, knowing what the chat template does with tools
+(`meshserve.serving.tool_calls`, found once); tool calls come back as a `tool_calls` message, or
+as OpenAI's tool-call deltas when streamed.
 
 One request, in order, on uvicorn's event loop thread:
   1. read the body, counted as it arrives (413 past --max-message-bytes; a client that goes away
@@ -67,8 +68,10 @@ from meshserve.serving.http_render import Render
 from meshserve.serving.loop import Delta, EngineLoop, Failed, Refused, Submission
 from meshserve.serving.openai_request import (OpenAIRequest, RequestError, decode_body,
                                               parse_request)
-from meshserve.serving.openai_structured import FieldError, Structured, read_request
+from meshserve.serving.openai_structured import (FieldError, Structured, prompt_messages,
+                                                 read_request)
 from meshserve.serving.outputs import RequestOutput
+from meshserve.serving.tool_calls import chat_tools
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +185,7 @@ class _Api:
         self.names = tuple(config.served_model_name) or (loop.engine.model_config.name,)
         self.created = int(time.time())
         self.fingerprint = system_fingerprint(loop)
+        self.chat_tools = chat_tools(loop.engine.tokenizer)
 
     async def health(self) -> JSONResponse:
         state = self.loop.state
@@ -267,13 +271,13 @@ class _Api:
         echo_id = self._echo_id(header_id, request.request_id) or f"{prefix}-{fresh}"
         base = header_id or request.request_id or fresh
         structured = self._structured(request)
-        prompt = request.prompt
-        if structured.tools is not None:  # the model learns of its tools from the prompt
-            prompt = [structured.tools.system_message()] + prompt
+        prompt, tools = request.prompt, None
+        if request.prompt_kind == "chat":  # the model learns of its tools from the prompt
+            prompt, tools = prompt_messages(prompt, structured.tools, self.chat_tools)
         try:
             self.loop.check_open()
             prompt_ids, text = self.loop.encode_prompt(request.prompt_kind, prompt,
-                                                       request.prompt_field)
+                                                       request.prompt_field, tools=tools)
         except Refused as refused:
             raise _from_refused(refused) from None
         params = request.sampling_params(self._max_tokens(request, len(prompt_ids)),
@@ -287,13 +291,11 @@ class _Api:
                         prompt_text=text, params=params, structured=structured)
 
     def _structured(self, request: OpenAIRequest) -> Structured:
-        """The request's constraint (`openai_structured`); tool_choice auto needs to know
-        whether the chat template declares tools."""
-        tokenizer = self.engine.tokenizer
-        template = (tokenizer.chat_template if tokenizer is not None else None) or ""
+        """The request's constraint (`openai_structured`); tool calls depend on what the chat
+        template does with tools."""
         try:
             return read_request(request.structured_fields, chat=request.endpoint == "chat",
-                                template_declares_tools="tools" in template)
+                                chat_tools=self.chat_tools)
         except FieldError as err:
             raise RequestError(err.param, str(err)) from None
 

@@ -5,8 +5,10 @@ Shapes follow OpenAI's `text_completion`, `chat.completion` and `chat.completion
 vLLM's extras where the request asked for them: `token_ids` and `prompt_token_ids`
 (`return_token_ids`), `prompt_logprobs`, usage in every chunk (`continuous_usage_stats`), tokens
 as `token_id:<id>` (`return_tokens_as_token_ids`). Every object carries the server's
-`system_fingerprint`. An output that is a tool call (`tools`) comes as a `tool_calls` message with
-finish_reason "tool_calls", or streamed as OpenAI's tool-call deltas (`ToolCallStream`).
+`system_fingerprint`. Tool calls (`tools`) come as a `tool_calls` message with finish_reason
+"tool_calls", or streamed as OpenAI's tool-call deltas: read from the model's own format by
+`tool_calls.CallParser`, with any content beside them, or from an output constrained to one call
+by `ToolCallStream`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from meshserve.serving.loop import Delta
 from meshserve.serving.openai_request import OpenAIRequest
 from meshserve.serving.openai_structured import ToolCalls, ToolCallStream, tool_call
 from meshserve.serving.outputs import Logprob, RequestOutput
+from meshserve.serving.tool_calls import CallParser
 
 
 class Render:
@@ -26,7 +29,9 @@ class Render:
                  *, tools: ToolCalls | None = None):
         self.id, self.model, self.fingerprint = response_id, model, fingerprint
         self.tools = tools
-        self.tool_stream = None if tools is None else ToolCallStream(tools)
+        own = tools is not None and tools.own is not None
+        self.tool_stream = ToolCallStream(tools) if tools is not None and not own else None
+        self.parser = CallParser(tools.own.format) if own else None
         self.chat = request.endpoint == "chat"
         self.num_top = request.logprobs
         self.include_usage = request.include_usage
@@ -45,7 +50,11 @@ class Render:
         completion = output.outputs[0]
         logprobs = self._logprobs(completion.token_ids, completion.logprobs)
         call = self._tool_call(completion)
-        if call is not None:
+        if self.parser is not None:
+            choice = {"index": 0, "message": self._own_message(completion.text),
+                      "logprobs": logprobs, "finish_reason": self._own_finish(completion)}
+            body = self._base("chat.completion")
+        elif call is not None:
             choice = {"index": 0, "message": {"role": "assistant", "content": None,
                                               "tool_calls": [call]},
                       "logprobs": logprobs, "finish_reason": "tool_calls"}
@@ -78,9 +87,22 @@ class Render:
                                          for entry in output.prompt_logprobs]
         return extras
 
+    def _own_message(self, text: str) -> dict:
+        """A whole output in the model's own format: its content and calls."""
+        message = {"role": "assistant", "content": self.parser.read_whole(text)}
+        if self.parser.calls:
+            message["tool_calls"] = [call.as_message() for call in self.parser.calls]
+        return message
+
+    def _own_finish(self, completion) -> str:
+        """"tool_calls" when the model made calls and stopped by itself after them."""
+        is_called = self.parser.is_complete and completion.finish_reason == "stop"
+        return "tool_calls" if is_called else completion.finish_reason
+
     def _tool_call(self, completion) -> dict | None:
-        """The finished output as a tool call, when tools asked for one and it is complete."""
-        if self.tools is None or completion.finish_reason != "stop":
+        """The finished output as a tool call, when tools constrained it to one and it is
+        complete."""
+        if self.tool_stream is None or completion.finish_reason != "stop":
             return None
         parsed = self.tools.parse(completion.text)
         return None if parsed is None else tool_call(self.tool_stream.id, *parsed)
@@ -88,11 +110,14 @@ class Render:
     def delta(self, delta: Delta) -> list[dict]:
         if self.tool_stream is not None:
             return self._tool_chunks(self.tool_stream.add(delta.text), None, delta.output)
+        text, calls = delta.text, []
+        if self.parser is not None:
+            text, calls = self.parser.add(delta.text)
         logprobs = self._logprobs(delta.token_ids, delta.logprobs)
-        if not (delta.text or logprobs or self.is_first or self.return_token_ids):
+        if not (text or calls or logprobs or self.is_first or self.return_token_ids):
             return []
         is_first = self.is_first
-        chunk = self._chunk(delta.text, logprobs, None, delta.output)
+        chunk = self._chunk(text, logprobs, None, delta.output, calls)
         if self.return_token_ids:
             chunk["choices"][0]["token_ids"] = delta.token_ids
             if is_first:
@@ -120,18 +145,25 @@ class Render:
             is_call = self._tool_call(completion) is not None
             chunks = self._tool_chunks([], "tool_calls" if is_call else completion.finish_reason,
                                        output)
+        elif self.parser is not None:
+            text, calls = self.parser.finish()  # what was held back
+            chunks = [self._chunk(text, None, None, output, calls)] if text or calls else []
+            chunks.append(self._chunk("", None, self._own_finish(completion), output))
         else:
             chunks = [self._chunk("", None, completion.finish_reason, output)]
-        chunks[0]["choices"][0]["stop_reason"] = output.outputs[0].stop_reason
+        chunks[-1]["choices"][0]["stop_reason"] = output.outputs[0].stop_reason
         if self.include_usage:
             kind = "chat.completion.chunk" if self.chat else "text_completion"
             chunks.append(self._base(kind) | {"choices": [], "usage": usage(output)})
         return chunks
 
     def _chunk(self, text: str, logprobs: dict | None, finish_reason: str | None,
-               output: RequestOutput) -> dict:
+               output: RequestOutput, tool_calls: list[dict] | None = None) -> dict:
         if self.chat:
-            delta = {"content": text} if text or finish_reason is None else {}
+            delta = {"content": text} if text or (finish_reason is None and not tool_calls) \
+                else {}
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             if self.is_first:
                 delta = {"role": "assistant"} | delta
             choice = {"index": 0, "delta": delta, "logprobs": logprobs,

@@ -403,14 +403,15 @@ class EngineLoop:
             limit = min(limit, self.limits.max_prompt_tokens)
         return min(limit, self.limits.max_queued_prompt_tokens)  # more could never be admitted
 
-    def encode_prompt(self, kind: str, value: str | Sequence[int] | list[dict], field: str
-                      ) -> tuple[list[int], str | None]:
+    def encode_prompt(self, kind: str, value: str | Sequence[int] | list[dict], field: str, *,
+                      tools: list[dict] | None = None) -> tuple[list[int], str | None]:
         """A prompt's token ids and text; `kind` is text, token_ids or chat (messages, through
-        the chat template); `field` names the prompt in refusals. A text too long to fit is
-        refused by its length, before the tokenizer spends time on it. Never truncates."""
+        the chat template, with `tools` for a template that declares them); `field` names the
+        prompt in refusals. A text too long to fit is refused by its length, before the
+        tokenizer spends time on it. Never truncates."""
         limit = self.max_prompt_tokens()
         try:
-            ids, text = self._prompt_ids(kind, value, field, limit)
+            ids, text = self._prompt_ids(kind, value, field, limit, tools)
         except ValueError as err:  # the tokenizer's or the chat template's refusal
             raise Refused("invalid", f"{field}: {err}", param=field) from None
         if not ids:
@@ -425,7 +426,7 @@ class EngineLoop:
                           f"of {limit}; shorten it (it is never truncated)", param=field)
         return ids, text
 
-    def _prompt_ids(self, kind: str, value, field: str, limit: int
+    def _prompt_ids(self, kind: str, value, field: str, limit: int, tools: list[dict] | None
                     ) -> tuple[list[int], str | None]:
         tokenizer = self.engine.tokenizer
         if kind in ("text", "chat") and tokenizer is None:
@@ -440,7 +441,7 @@ class EngineLoop:
         if not value:
             raise ValueError("no messages")
         check_text_fits(sum(len(m["content"]) for m in value), limit, tokenizer.max_token_chars)
-        text = tokenizer.apply_chat_template(value, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(value, add_generation_prompt=True, tools=tools)
         return tokenizer.encode(text, add_special_tokens=True), text
 
     def check_params(self, params: SamplingParams, field: str | None = None) -> None:

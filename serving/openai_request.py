@@ -35,7 +35,6 @@ from typing import Any, Callable
 
 from meshserve.batching.sampling import SamplingParams
 from meshserve.batching.structured import StructuredOutput
-from meshserve.serving.openai_structured import calls_as_text
 
 ENDPOINTS = ("completions", "chat")
 VERDICTS = ("honoured", "accepted", "refused")
@@ -161,8 +160,11 @@ def _message(where: str, message: Any) -> dict:
                            code="unsupported_parameter")
     if message["role"] == "assistant" and message.get("tool_calls"):
         return _tool_calls_message(f"{where}.tool_calls", message)
-    return {"role": message["role"], "content": _content(f"{where}.content",
+    read = {"role": message["role"], "content": _content(f"{where}.content",
                                                          message.get("content"))}
+    if message["role"] == "tool" and isinstance(message.get("tool_call_id"), str):
+        read["tool_call_id"] = message["tool_call_id"]
+    return read
 
 
 def _is_tool_key(message: dict, key: str) -> bool:
@@ -173,16 +175,20 @@ def _is_tool_key(message: dict, key: str) -> bool:
 
 
 def _tool_calls_message(where: str, message: dict) -> dict:
-    """An assistant turn that called tools: its calls as JSON text (`calls_as_text`), after any
-    content it had."""
+    """An assistant turn that called tools: its content (possibly empty) and its calls, which
+    `openai_structured.prompt_messages` hands to the chat template as the model reads them."""
     calls = message["tool_calls"]
     if not isinstance(calls, list) or not all(
-            isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):
+            isinstance(c, dict) and isinstance(c.get("function"), dict)
+            and isinstance(c["function"].get("name"), str) for c in calls):
         raise RequestError(where, f"{where} must be a list of "
                                   '{"type": "function", "function": {"name", "arguments"}}')
     content = message.get("content")
     text = "" if content is None else _content(where.replace("tool_calls", "content"), content)
-    return {"role": "assistant", "content": (text + "\n" if text else "") + calls_as_text(calls)}
+    return {"role": "assistant", "content": text, "tool_calls": [
+        {"id": c.get("id"), "type": "function",
+         "function": {"name": c["function"]["name"],
+                      "arguments": c["function"].get("arguments", "{}")}} for c in calls]}
 
 
 def _content(where: str, content: Any) -> str:
@@ -317,13 +323,15 @@ FIELDS: tuple[Field, ...] = (
     refused("moderation", "no moderation", endpoints=CHAT),
     honoured("response_format", "json_object or json_schema (with strict, enforced either way) "
              "constrain the output; text does not", _json_value((dict,))),
-    honoured("tools", "functions; with tool_choice required or a named function the output is "
-             "a call, as tool_calls", _json_value((list,)), endpoints=CHAT),
-    honoured("tool_choice", "none, required, or a named function; auto (the default with tools: "
-             "the model's own tool-call format) is refused by name", _json_value((str, dict)),
+    honoured("tools", "functions, answered as tool_calls: in the model's own format where its "
+             "chat template declares tools (Hermes/Qwen `<tool_call>` blocks, each call held to "
+             "its tool's schema), else through a system message", _json_value((list,)),
              endpoints=CHAT),
-    accepted("parallel_tool_calls", "one call per answer, which either value allows", bool,
-             endpoints=CHAT),
+    honoured("tool_choice", "auto (the default with tools: text, calls or both; needs the "
+             "model's own format, refused naming why without it), required, none, or a named "
+             "function", _json_value((str, dict)), endpoints=CHAT),
+    honoured("parallel_tool_calls", "false: one call at most; true (the default): as many as "
+             "the model writes in its own format", _typed(bool), endpoints=CHAT),
     refused("functions", _OLD_FUNCTIONS, neutral=([],), endpoints=CHAT),
     refused("function_call", _OLD_FUNCTIONS, neutral=("none",), endpoints=CHAT),
     # -- vLLM -----------------------------------------------------------------------------------
@@ -402,8 +410,9 @@ _SAMPLING = tuple(f for f in FIELDS if f.sampling)
 # honoured needs its use in `_build` and its name here, or it would be taken and do nothing.
 # The fields that constrain the output, read whole by `openai_structured.read_request` once the
 # engine's chat template is known (tool_choice auto depends on it).
-STRUCTURED_FIELDS = ("response_format", "tools", "tool_choice", "structured_outputs",
-                     "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+STRUCTURED_FIELDS = ("response_format", "tools", "tool_choice", "parallel_tool_calls",
+                     "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar")
 _BUILT = ("model", "prompt", "messages", "max_tokens", "max_completion_tokens", "logprobs",
           "top_logprobs", "stream", "stream_options", "return_token_ids",
           "return_tokens_as_token_ids", "priority", "request_id", *STRUCTURED_FIELDS)

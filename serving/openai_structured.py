@@ -12,17 +12,24 @@ tool calls, a `ToolCalls` plan. The fields, each mapped to the same engine const
                                                              checked by the field table)
     structured_outputs {"json" | "regex" | "choice" |        vLLM's newer form
         "grammar" | "json_object"}
-    tools + tool_choice "required" or a named function       tool calls (below)
+    tools, tool_choice, parallel_tool_calls                   tool calls (below)
 
 Only one of them per request; two are refused naming both.
 
-Tool calls, for any model: with `tool_choice: "required"` the output is constrained to one call
-of one of the tools, `{"name": <a tool's name>, "arguments": <its parameters' schema>}`; with a
-named function, to that function's parameters. The tools are described to the model in a system
-message (unless the chat template renders tools itself), and the output comes back as a
-`tool_calls` message, streamed in OpenAI's delta format (`ToolCallStream`). `tool_choice: "auto"`
-(the default when tools are given) lets the model choose between text and a call in its own
-format: it needs a chat template that declares tools, and is refused by name otherwise;
+Tool calls take one of two ways, chosen by the model's chat template (`tool_calls.chat_tools`):
+  - the model's own format, where the template declares tools and writes calls in a format
+    meshserve reads (`tool_calls.FORMATS`, e.g. Qwen's `<tool_call>` blocks): the tools go to
+    the template as its `tools`, assistant tool calls in the history go to it as `tool_calls`,
+    and a grammar keeps every call the model opens well formed (`ChatTools.grammar`).
+    tool_choice "auto" (the default with tools) lets the model answer with text, calls or
+    both; "required" asks for at least one call, a named function for calls of it only;
+    parallel_tool_calls false allows one call at most. The output is read by
+    `tool_calls.CallParser`.
+  - any other model: tool_choice "required" constrains the whole output to one call
+    `{"name": <a tool's name>, "arguments": <its parameters' schema>}`, a named function to
+    its arguments; the tools are described in a system message, and history tool calls are
+    written as that JSON. "auto" is refused, naming why (`ChatTools.refusal`).
+Either way the output comes back as a `tool_calls` message, streamed in OpenAI's delta format.
 `"none"` ignores the tools.
 
 Errors are `FieldError`s: a ValueError whose `param` names the request field at fault.
@@ -33,9 +40,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import uuid
 
 from meshserve.batching.structured import StructuredOutput
+from meshserve.serving.tool_calls import ChatTools, chat_tools, tool_call_id
+
+NO_TEMPLATE = chat_tools(None)
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _VLLM_GUIDED = {"guided_json": "json_schema", "guided_regex": "regex",
@@ -62,13 +71,22 @@ class Tool:
 
 @dataclasses.dataclass(frozen=True)
 class ToolCalls:
-    """How a request's output becomes a tool call: of `forced` (a named tool_choice: the output
-    is its arguments), or of any of `tools` ("required": the output names the tool)."""
+    """How a request's output becomes tool calls: in the model's own format (`own`, see the
+    module docstring), or as one call of `forced` (a named tool_choice: the output is its
+    arguments) or of any of `tools` ("required": the output names the tool)."""
 
     tools: tuple[Tool, ...]
     forced: Tool | None
+    own: ChatTools | None = None
+    is_auto: bool = False  # own format only: text may stand alone
+    is_parallel: bool = True  # own format only: more than one call may follow
 
     def structured(self) -> StructuredOutput:
+        callable_tools = self.tools if self.forced is None else (self.forced,)
+        if self.own is not None:
+            return StructuredOutput(grammar=self.own.grammar(
+                [(tool.name, tool.parameters) for tool in callable_tools],
+                is_required=not self.is_auto, is_parallel=self.is_parallel))
         if self.forced is not None:
             return StructuredOutput(json_schema=self.forced.parameters)
         calls = [{"type": "object",
@@ -76,6 +94,12 @@ class ToolCalls:
                   "required": ["name", "arguments"], "additionalProperties": False}
                  for tool in self.tools]
         return StructuredOutput(json_schema=calls[0] if len(calls) == 1 else {"anyOf": calls})
+
+    def template_tools(self) -> list[dict]:
+        """The tools as a chat template's `tools` variable reads them (OpenAI's form)."""
+        return [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                  "parameters": t.parameters}}
+                for t in self.tools]
 
     def system_message(self) -> dict:
         """The tools, described to a model whose chat template does not render them."""
@@ -89,7 +113,8 @@ class ToolCalls:
                 + json.dumps(described, ensure_ascii=False) + "\n" + ask}
 
     def parse(self, text: str) -> tuple[str, str] | None:
-        """`(name, arguments JSON)` of the call in a finished output; None if it is not one."""
+        """`(name, arguments JSON)` of the call in a finished output (not in the model's own
+        format); None if it is not one."""
         try:
             value = json.loads(text)
         except json.JSONDecodeError:
@@ -111,19 +136,19 @@ class Structured:
     tools: ToolCalls | None = None
 
 
-def read_request(body: dict, *, chat: bool, template_declares_tools: bool = False) -> Structured:
-    structured, tools = read_structured(body, chat=chat,
-                                        template_declares_tools=template_declares_tools)
+def read_request(body: dict, *, chat: bool, chat_tools: ChatTools = NO_TEMPLATE) -> Structured:
+    """`body`'s constraint; `chat_tools` is what the model's chat template does with tools."""
+    structured, tools = read_structured(body, chat=chat, chat_tools=chat_tools)
     if structured is None:
         return Structured()
-    field = "tool_choice" if tools is not None else next(
+    field = "tools" if tools is not None else next(
         name for name in ("response_format", *_VLLM_GUIDED, "structured_outputs")
         if body.get(name) is not None and (name != "response_format"
                                            or body[name].get("type") != "text"))
     return Structured(output=structured, field=field, tools=tools)
 
 
-def read_structured(body: dict, *, chat: bool, template_declares_tools: bool = False
+def read_structured(body: dict, *, chat: bool, chat_tools: ChatTools = NO_TEMPLATE
                     ) -> tuple[StructuredOutput | None, ToolCalls | None]:
     """The request's constraint and tool-call plan (see the module docstring)."""
     found: list[tuple[str, StructuredOutput]] = []
@@ -135,7 +160,7 @@ def read_structured(body: dict, *, chat: bool, template_declares_tools: bool = F
             found.append((field, _constraint(field, kind, body[field])))
     if body.get("structured_outputs") is not None:
         found.append(("structured_outputs", _structured_outputs(body["structured_outputs"])))
-    tools = _tool_calls(body, chat=chat, template_declares_tools=template_declares_tools)
+    tools = _tool_calls(body, chat=chat, chat_tools=chat_tools)
     if tools is not None:
         found.append(("tool_choice", tools.structured()))
     if len(found) > 1:
@@ -203,7 +228,7 @@ def _without_prefix(message: str) -> str:
     return re.sub(r"^structured(\.\w+)?:? ", "", message)
 
 
-def _tool_calls(body: dict, *, chat: bool, template_declares_tools: bool) -> ToolCalls | None:
+def _tool_calls(body: dict, *, chat: bool, chat_tools: ChatTools) -> ToolCalls | None:
     tools, choice = body.get("tools"), body.get("tool_choice")
     if tools is None:
         if choice is not None and choice != "none":
@@ -212,18 +237,17 @@ def _tool_calls(body: dict, *, chat: bool, template_declares_tools: bool) -> Too
     if not chat:
         raise FieldError("tools", "tools are served on /v1/chat/completions only")
     parsed = _tools(tools)
+    own = chat_tools if chat_tools.format is not None else None
+    is_parallel = body.get("parallel_tool_calls") is not False
     if choice is None or choice == "auto":
-        if template_declares_tools:
-            raise FieldError("tool_choice", "tool_choice 'auto' (the default with tools) is not "
-                             "served yet: send tool_choice 'required' or a named function")
-        raise FieldError("tool_choice", "tool_choice 'auto' (the default with tools) needs a "
-                         "chat template that declares tools, and this model's does not: send "
-                         "tool_choice 'required' or a named function, which constrain the "
-                         "output to a call")
+        if own is None:
+            raise FieldError("tool_choice", chat_tools.refusal)
+        return ToolCalls(tools=parsed, forced=None, own=own, is_auto=True,
+                         is_parallel=is_parallel)
     if choice == "none":
         return None
     if choice == "required":
-        return ToolCalls(tools=parsed, forced=None)
+        return ToolCalls(tools=parsed, forced=None, own=own, is_parallel=is_parallel)
     name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or name is None:
         raise FieldError("tool_choice", "tool_choice must be none, auto, required or "
@@ -232,7 +256,7 @@ def _tool_calls(body: dict, *, chat: bool, template_declares_tools: bool) -> Too
     if forced is None:
         raise FieldError("tool_choice", f"tool_choice names {name!r}, which is not among the "
                          "tools")
-    return ToolCalls(tools=parsed, forced=forced)
+    return ToolCalls(tools=parsed, forced=forced, own=own, is_parallel=is_parallel)
 
 
 def _tools(tools) -> tuple[Tool, ...]:
@@ -263,8 +287,39 @@ def _tools(tools) -> tuple[Tool, ...]:
     return tuple(parsed)
 
 
+def prompt_messages(messages: list[dict], calls: ToolCalls | None, chat_tools: ChatTools
+                    ) -> tuple[list[dict], list[dict] | None]:
+    """The messages and `tools` a chat request's template renders. With the model's own
+    format, history tool calls go to the template as `tool_calls` (their arguments as JSON
+    values, as templates expect) and the tools as its `tools`; otherwise tool calls are written
+    as JSON text (`calls_as_text`) and the tools described in a system message."""
+    if chat_tools.format is not None:
+        tools = calls.template_tools() if calls is not None else None
+        return [_with_argument_values(message) for message in messages], tools
+    flat = [_as_text(message) for message in messages]
+    if calls is not None:
+        flat = [calls.system_message()] + flat
+    return flat, None
+
+
+def _with_argument_values(message: dict) -> dict:
+    if "tool_calls" not in message:
+        return message
+    calls = [call | {"function": call["function"] | {"arguments": _arguments(call)}}
+             for call in message["tool_calls"]]
+    return message | {"tool_calls": calls}
+
+
+def _as_text(message: dict) -> dict:
+    """A message with only role and content: its tool calls written after its content."""
+    content = message["content"]
+    if "tool_calls" in message:
+        content = (content + "\n" if content else "") + calls_as_text(message["tool_calls"])
+    return {"role": message["role"], "content": content}
+
+
 def calls_as_text(calls: list) -> str:
-    """An assistant turn's tool calls as the chat template reads them: one JSON object
+    """An assistant turn's tool calls as a template without tools reads them: one JSON object
     `{"name", "arguments"}` a line, the form a "required" call is written in."""
     return "\n".join(json.dumps({"name": (c.get("function") or {}).get("name"),
                                  "arguments": _arguments(c)}, ensure_ascii=False) for c in calls)
@@ -276,10 +331,6 @@ def _arguments(call: dict):
         return json.loads(text) if isinstance(text, str) else text
     except json.JSONDecodeError:
         return text
-
-
-def tool_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def tool_call(call_id: str, name: str, arguments: str) -> dict:

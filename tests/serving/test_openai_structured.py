@@ -8,7 +8,8 @@ import json
 import pytest
 
 from meshserve.batching.structured import StructuredOutput
-from meshserve.serving.openai_structured import (FieldError, ToolCallStream, read_structured)
+from meshserve.serving.openai_structured import (NO_TEMPLATE, FieldError, ToolCallStream,
+                                                 prompt_messages, read_structured)
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather.",
@@ -124,10 +125,18 @@ def test_the_request_model_reads_tool_history_and_the_backend():
             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "4 C"}],
         "tools": [WEATHER], "tool_choice": "required", "guided_decoding_backend": "auto"}, "chat")
-    assert request.prompt[1] == {"role": "assistant", "content":
-                                 '{"name": "get_weather", "arguments": {"city": "Oslo"}}'}
-    assert request.prompt[2] == {"role": "tool", "content": "4 C"}
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    assert request.prompt[1] == {"role": "assistant", "content": "", "tool_calls": [call]}
+    assert request.prompt[2] == {"role": "tool", "content": "4 C", "tool_call_id": "call_1"}
     assert set(request.structured_fields) == {"tools", "tool_choice"}
+    # a template without tools reads the calls as JSON text, after the tools' system message
+    _, tools = read_structured(request.structured_fields, chat=True)
+    messages, template_tools = prompt_messages(request.prompt, tools, NO_TEMPLATE)
+    assert template_tools is None and messages[0]["role"] == "system"
+    assert messages[2:] == [{"role": "assistant", "content":
+                             '{"name": "get_weather", "arguments": {"city": "Oslo"}}'},
+                            {"role": "tool", "content": "4 C"}]
     for body, param in [({"guided_regex": "a", "guided_decoding_backend": "xgrammar"},
                          "guided_decoding_backend"),
                         ({"tool_choice": 3}, "tool_choice"),

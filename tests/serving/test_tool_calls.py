@@ -1,0 +1,414 @@
+"""tool_choice "auto" and the model's own tool-call format (serving/tool_calls.py).
+
+No tool-calling model can be fetched here, so the model is a scripted runner that writes a given
+token sequence whatever the prompt, under a real byte-level tokenizer (tests/serving/
+tiny_tokenizer.py with Qwen's markers added) and a Hermes-style chat template written for these
+tests. Everything else is real: the template renders the tools, the engine enforces the
+llguidance grammar on every token the script writes (a call off its schema ends
+"unsatisfiable"), and the official `openai` client reads the answers from a server on
+127.0.0.1. Also: the parser alone (streamed and whole agree at every split), the grammar's masks,
+and which templates declare tools.
+"""
+
+import json
+import random
+
+import numpy as np
+import pytest
+from tokenizers import AddedToken
+
+from meshserve.batching.structured import StructuredOutput
+from meshserve.model.tokenizer import SpecialTokens, Tokenizer
+from meshserve.serving.config import EngineConfig
+from meshserve.serving.engine import Engine
+from meshserve.serving.grammar import GrammarCompiler
+from meshserve.serving.server import GenerationServer, ServerConfig
+from meshserve.serving.tool_calls import FORMATS, CallParser, chat_tools
+from tests.serving.fake_runner import MODEL, FakeModelRunner
+from tests.serving.tiny_tokenizer import EOS_ID, tiny_tokenizer
+
+openai = pytest.importorskip("openai")
+
+HERMES = FORMATS[0]
+# A Hermes-style template (Qwen's layout): the tools in the system turn, calls as <tool_call>
+# blocks, tool results as <tool_response> in a user turn.
+TEMPLATE = """{%- if tools %}
+<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}Functions you may call, one JSON signature a line:
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+To call one, write <tool_call>
+{"name": <its name>, "arguments": <its arguments>}
+</tool_call><|im_end|>
+{% elif messages[0].role == 'system' %}
+<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' %}
+<|im_start|>assistant
+{{ message.content }}
+{%- for call in message.tool_calls or [] %}
+{% if message.content or not loop.first %}
+{% endif %}<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == 'tool' %}
+<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% elif message.role != 'system' or not loop.first %}
+<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+<|im_start|>assistant
+{% endif %}"""
+NO_TOOLS = """{% for m in messages %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endfor %}{% if tools %}{% endif %}<|im_start|>assistant
+"""
+WEATHER = {"type": "object",
+           "properties": {"city": {"type": "string", "maxLength": 20},
+                          "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now.",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "description": "The time.",
+                                           "parameters": {"type": "object", "properties": {}}}}]
+PARIS = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+OSLO = '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}'
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def hermes_tokenizer(template: str = TEMPLATE, *, special_markers: bool = False) -> Tokenizer:
+    """The tiny byte-level tokenizer with Qwen's turn tokens (special), and its tool-call
+    markers and `<think>` (added, kept in the text as Qwen's are; the markers special with
+    `special_markers`)."""
+    backend = tiny_tokenizer()._backend
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t in ("<|im_start|>", "<|im_end|>")])
+    backend.add_tokens([AddedToken("<think>", special=False, normalized=False)])
+    markers = [AddedToken(t, special=special_markers, normalized=False)
+               for t in ("<tool_call>", "</tool_call>")]
+    if special_markers:
+        backend.add_special_tokens(markers)
+    else:
+        backend.add_tokens(markers)
+    end_of_turn = backend.token_to_id("<|im_end|>")
+    return Tokenizer(backend, special=SpecialTokens(bos_token_id=None,
+                                                    eos_token_ids=(EOS_ID, end_of_turn),
+                                                    pad_token_id=0), chat_template=template)
+
+
+def _stream(text: str, sizes) -> tuple[str, list[dict], CallParser]:
+    parser = CallParser(HERMES)
+    content, deltas, at = [], [], 0
+    for size in sizes:
+        piece_content, piece_deltas = parser.add(text[at:at + size])
+        content.append(piece_content)
+        deltas += piece_deltas
+        at += size
+    assert at >= len(text)
+    end_content, end_deltas = parser.finish()
+    return "".join(content) + end_content, deltas + end_deltas, parser
+
+
+def _joined(deltas: list[dict]) -> list[tuple[str, str]]:
+    """(name, arguments) per call index, from OpenAI's deltas."""
+    calls: dict[int, list[str]] = {}
+    for delta in deltas:
+        if "id" in delta:
+            assert delta["index"] not in calls and delta["id"].startswith("call_")
+            calls[delta["index"]] = [delta["function"]["name"], ""]
+        calls[delta["index"]][1] += delta["function"]["arguments"]
+    return [tuple(calls[i]) for i in sorted(calls)]
+
+
+# -- the parser --------------------------------------------------------------------------------
+
+OUTPUTS = {
+    "text only": ("Sunny, 18 C.\n", "Sunny, 18 C.\n", []),
+    "text then a call": (f"Let me look.\n<tool_call>\n{PARIS}\n</tool_call>", "Let me look.",
+                         [("get_weather", '{"city": "Paris", "unit": "celsius"}')]),
+    "two calls and text": (f"<tool_call>\n{PARIS}\n</tool_call>\n<tool_call>\n{OSLO}\n"
+                           "</tool_call>\nBoth asked.", "Both asked.",
+                           [("get_weather", '{"city": "Paris", "unit": "celsius"}'),
+                            ("get_weather", '{"city": "Oslo", "unit": "celsius"}')]),
+    "arguments first": ('<tool_call>\n{"arguments": {"q": "}"}, "name": "find"}\n</tool_call>',
+                        "", [("find", '{"q": "}"}')]),
+    "nested braces": ('<tool_call>\n{"name": "f", "arguments": {"a": {"b": {}}, "c": "}\\n"}}'
+                      "\n</tool_call>", "", [("f", '{"a": {"b": {}}, "c": "}\\n"}')]),
+    "not a call": ("So \n<tool_call>\nnot JSON\n</tool_call> then text",
+                   "So \n<tool_call>\nnot JSON\n</tool_call> then text", []),
+    "a marker begun, never finished": ("Use <tool_ca", "Use <tool_ca", []),
+    "a lone less-than": ("a < b and c <\n", "a < b and c <\n", []),
+    "cut off in the arguments": ('Hm <tool_call>\n{"name": "f", "arguments": {"a": "xy',
+                                 "Hm", [("f", '{"a": "xy')]),
+    "complete but for the end marker": (f"<tool_call>\n{PARIS}", "",
+                                        [("get_weather", '{"city": "Paris", "unit": "celsius"}')]),
+    "cut off in the head": ('<tool_call>\n{"name": "f", "argu', '<tool_call>\n{"name": "f", "argu',
+                            []),
+}
+
+
+@pytest.mark.parametrize("name", OUTPUTS)
+def test_whole_outputs_give_content_and_calls(name):
+    text, content, calls = OUTPUTS[name]
+    parser = CallParser(HERMES)
+    assert parser.read_whole(text) == (content if content or not calls else None)
+    assert [(c.name, c.arguments) for c in parser.calls] == calls
+    assert all(json.loads(c.arguments) is not None for c in parser.calls if c.is_complete)
+
+
+@pytest.mark.parametrize("name", OUTPUTS)
+def test_streamed_pieces_agree_with_the_whole_at_every_split(name):
+    text, content, calls = OUTPUTS[name]
+    rng = random.Random(0)
+    splits = [[1] * len(text), [2] * len(text), [len(text)]]
+    splits += [[rng.randint(1, 9) for _ in text] for _ in range(20)]
+    for sizes in splits:
+        streamed, deltas, parser = _stream(text, sizes)
+        assert streamed == content and _joined(deltas) == calls, sizes
+        assert [c.is_complete for c in parser.calls] == [
+            c.is_complete for c in _stream(text, [len(text)])[2].calls]
+
+
+def test_markers_never_reach_the_content_and_arguments_come_in_pieces():
+    text = f"Let me look.\n<tool_call>\n{PARIS}\n</tool_call>\n<tool_call>\n{OSLO}\n</tool_call>"
+    parser = CallParser(HERMES)
+    pieces = [parser.add(ch) for ch in text] + [parser.finish()]
+    contents = [c for c, _ in pieces if c]
+    assert "".join(contents) == "Let me look." and not any("<" in c for c in contents)
+    argument_pieces = [d for _, ds in pieces for d in ds if "id" not in d]
+    assert len(argument_pieces) > 10 and {d["index"] for d in argument_pieces} == {0, 1}
+    assert parser.is_complete
+
+
+def test_a_cut_off_call_is_not_complete():
+    parser = CallParser(HERMES)
+    parser.read_whole('<tool_call>\n{"name": "f", "arguments": {"a": 1')
+    assert [c.arguments for c in parser.calls] == ['{"a": 1'] and not parser.is_complete
+
+
+# -- the grammar ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return hermes_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    return GrammarCompiler(tokenizer.to_json(), vocab_size=512,
+                           eos_token_ids=tokenizer.eos_token_ids)
+
+
+def _grammar(tokenizer, *, is_required=False, is_parallel=True) -> StructuredOutput:
+    tools = [(t["function"]["name"], t["function"]["parameters"]) for t in TOOLS]
+    return StructuredOutput(grammar=chat_tools(tokenizer).grammar(
+        tools, is_required=is_required, is_parallel=is_parallel))
+
+
+def _advance(matcher, ids) -> bool:
+    return all(matcher.advance(t) for t in ids)
+
+
+def _allowed(matcher) -> set[int]:
+    mask = np.zeros(512 // 32, np.int32)
+    matcher.fill_mask(mask)
+    return {t for t in range(512) if (int(mask[t // 32]) >> (t % 32)) & 1}
+
+
+def _bytes(tokenizer, text: str) -> list[int]:
+    """`text` one byte-level symbol a token (ASCII only): a marker the model spells out."""
+    return [tokenizer.token_to_id(ch) for ch in text]
+
+
+def test_text_is_free_and_a_call_follows_its_tools_schema(tokenizer, compiler):
+    auto = _grammar(tokenizer)
+    matcher = compiler.matcher(auto)
+    assert _advance(matcher, tokenizer.encode("<think>Any text, even {.<think>"))
+    assert EOS_ID in _allowed(matcher)
+    for call, is_valid in [(PARIS, True), ('{"name": "get_time", "arguments": {}}', True),
+                           ('{"name": "get_weather", "arguments": {"town": "Paris"}}', False),
+                           ('{"name": "get_weather", "arguments": {"city": "Paris"}}', False),
+                           ('{"name": "get_news", "arguments": {}}', False),
+                           ('{"name":"get_time","arguments":{}}', False)]:
+        matcher = compiler.matcher(auto)
+        ids = tokenizer.encode(f"So: <tool_call>\n{call}\n</tool_call> done")
+        assert _advance(matcher, ids) == is_valid, call
+    for opening in (tokenizer.encode("<tool_call>"), _bytes(tokenizer, "<tool_call>")):
+        matcher = compiler.matcher(auto)
+        assert _advance(matcher, tokenizer.encode("x ") + opening + tokenizer.encode("\n"))
+        assert _allowed(matcher) == {tokenizer.token_to_id("{")}
+
+
+def test_required_needs_a_call_and_one_call_ends_the_output(tokenizer, compiler):
+    matcher = compiler.matcher(_grammar(tokenizer, is_required=True))
+    assert _advance(matcher, tokenizer.encode("Thinking first."))
+    assert EOS_ID not in _allowed(matcher)
+    assert _advance(matcher, tokenizer.encode(f"<tool_call>\n{PARIS}\n</tool_call>"))
+    assert EOS_ID in _allowed(matcher)
+    single = compiler.matcher(_grammar(tokenizer, is_parallel=False))
+    assert _advance(single, tokenizer.encode(f"<tool_call>\n{PARIS}\n</tool_call>"))
+    assert single.is_stopped()
+
+
+# -- which templates declare tools ---------------------------------------------------------------
+
+def test_the_template_decides_whether_tools_are_served():
+    assert hermes_tokenizer().renders_tools and chat_tools(hermes_tokenizer()).format is HERMES
+    plain = hermes_tokenizer(NO_TOOLS)  # mentions tools, shows the model none
+    assert not plain.renders_tools
+    assert "needs a chat template that declares tools, and this model's does not" in \
+        chat_tools(plain).refusal
+    assert "has no chat template" in chat_tools(None).refusal
+    mistral = TEMPLATE.replace("<tool_call>", "[TOOL_CALLS]").replace("</tool_call>", "")
+    assert "Mistral's [TOOL_CALLS], which meshserve does not read" in \
+        chat_tools(hermes_tokenizer(mistral)).refusal
+    hidden = chat_tools(hermes_tokenizer(special_markers=True))
+    assert hidden.format is None and "<tool_call> is a special token" in hidden.refusal
+
+
+# -- served, with the openai client ----------------------------------------------------------------
+
+class ScriptedRunner(FakeModelRunner):
+    """Samples `script[i]` as every request's i-th output token (then EOS), whatever the
+    prompt: the stand-in for a model that writes tool calls."""
+
+    def __init__(self, config: EngineConfig):
+        super().__init__(config)
+        self.model_config = MODEL.__class__(**(vars(MODEL) | {"name": "scripted",
+                                                              "vocab_size": 512}))
+        self.config = config.for_model(self.model_config).runner_config()
+        self.script: list[int] = []
+
+    def execute(self, plan):
+        self.num_executed += 1
+        return [self._rows(np.array([self._token(int(step)) for step in sampling.steps],
+                                    np.int32)) for sampling in plan.sampling]
+
+    def _token(self, step: int) -> int:
+        return self.script[step] if step < len(self.script) else EOS_ID
+
+
+ENGINE = dict(num_pages=128, page_size=16, max_num_seqs=4, max_num_batched_tokens=256,
+              prefill_chunk=256, max_model_len=1024, max_logprobs=3, compilation_cache=False)
+
+
+@pytest.fixture(scope="module")
+def served(tokenizer):
+    config = EngineConfig(**ENGINE)
+    runner = ScriptedRunner(config)
+    server = GenerationServer(Engine(runner, tokenizer, config), ServerConfig(port=0, http_port=0))
+    server.start()
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="none",
+                       max_retries=0) as client:
+        yield client, runner
+    server.stop()
+
+
+def _say(served, tokenizer, *parts) -> None:
+    """Scripts the next answers: text parts are tokenized, lists are token ids as they are."""
+    served[1].script = [t for part in parts
+                        for t in (part if isinstance(part, list) else tokenizer.encode(part))]
+
+
+def _chat(served, stream=False, **fields):
+    return served[0].chat.completions.create(
+        model="scripted", messages=fields.pop("messages", ASK), stream=stream,
+        max_tokens=fields.pop("max_tokens", 200), tools=fields.pop("tools", TOOLS), **fields)
+
+
+def _read_stream(chunks) -> tuple[str, list[tuple[str, str]], set[str], str]:
+    content, calls, ids, finish = "", {}, set(), None
+    for chunk in chunks:
+        delta = chunk.choices[0].delta
+        assert "<tool" not in (delta.content or "") and "</tool" not in (delta.content or "")
+        content += delta.content or ""
+        for call in delta.tool_calls or []:
+            if call.id:
+                ids.add(call.id)
+                calls[call.index] = [call.function.name, ""]
+            calls[call.index][1] += call.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return content, [tuple(calls[i]) for i in sorted(calls)], ids, finish
+
+
+def test_auto_answers_content_and_a_call_through_the_template(served, tokenizer):
+    _say(served, tokenizer, f"Let me look.\n<tool_call>\n{PARIS}\n</tool_call>")
+    done = _chat(served, extra_body={"return_token_ids": True})
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look."
+    (call,) = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "celsius"}
+    prompt = tokenizer.decode(done.prompt_token_ids, skip_special_tokens=False)
+    assert "<tools>\n" + json.dumps(TOOLS[0]) in prompt  # the template's tools, not ours
+    assert "You can call these functions" not in prompt
+
+
+@pytest.mark.parametrize("markers", ["one token each", "spelled out byte by byte"])
+def test_a_streamed_call_is_content_then_openai_tool_call_deltas(served, tokenizer, markers):
+    opening, closing = (("<tool_call>", "</tool_call>") if markers == "one token each" else
+                        (_bytes(tokenizer, "<tool_call>"), _bytes(tokenizer, "</tool_call>")))
+    _say(served, tokenizer, "Let me look.\n", opening, f"\n{PARIS}\n", closing, "\n", opening,
+         f"\n{OSLO}\n", closing)
+    content, calls, ids, finish = _read_stream(_chat(served, stream=True))
+    assert content == "Let me look." and finish == "tool_calls" and len(ids) == 2
+    assert calls == [("get_weather", '{"city": "Paris", "unit": "celsius"}'),
+                     ("get_weather", '{"city": "Oslo", "unit": "celsius"}')]
+    done = _chat(served)  # the same output whole
+    assert [(c.function.name, c.function.arguments) for c in done.choices[0].message.tool_calls
+            ] == calls and done.choices[0].message.content == "Let me look."
+
+
+def test_text_alone_is_a_plain_answer(served, tokenizer):
+    _say(served, tokenizer, "It is sunny in Paris.")
+    done = _chat(served)
+    assert done.choices[0].message.content == "It is sunny in Paris."
+    assert done.choices[0].message.tool_calls is None and done.choices[0].finish_reason == "stop"
+    assert _read_stream(_chat(served, stream=True))[:2] == ("It is sunny in Paris.", [])
+
+
+def test_parallel_tool_calls_false_ends_the_answer_after_one_call(served, tokenizer):
+    _say(served, tokenizer, f"<tool_call>\n{PARIS}\n</tool_call>\n<tool_call>\n{OSLO}\n"
+                            "</tool_call>")
+    done = _chat(served, parallel_tool_calls=False)
+    assert done.choices[0].finish_reason == "tool_calls"
+    assert [c.function.arguments for c in done.choices[0].message.tool_calls] == [
+        '{"city": "Paris", "unit": "celsius"}']
+
+
+@pytest.mark.parametrize("tool_choice", [
+    "auto", "required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_call_off_its_schema_is_stopped_by_the_grammar(served, tokenizer, tool_choice):
+    _say(served, tokenizer, '<tool_call>\n{"name": "get_weather", "arguments": {"town": "x"}}'
+                            "\n</tool_call>")
+    done = _chat(served, tool_choice=tool_choice)
+    assert done.choices[0].finish_reason == "unsatisfiable"
+    _say(served, tokenizer, '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+    finish = _chat(served, tool_choice=tool_choice).choices[0].finish_reason
+    assert finish == ("unsatisfiable" if isinstance(tool_choice, dict) else "tool_calls")
+
+
+def test_history_tool_calls_go_to_the_template_as_the_model_writes_them(served, tokenizer):
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+    _say(served, tokenizer, "Sunny, 18 C.")
+    done = _chat(served, messages=history, extra_body={"return_token_ids": True})
+    assert done.choices[0].message.content == "Sunny, 18 C."
+    prompt = tokenizer.decode(done.prompt_token_ids, skip_special_tokens=False)
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '
+            '{"city": "Paris"}}\n</tool_call><|im_end|>') in prompt
+    assert "<tool_response>\n18 C, sunny\n</tool_response>" in prompt
