@@ -29,7 +29,7 @@ from tests.serving.tiny_tokenizer import EOS_ID, tiny_tokenizer
 
 openai = pytest.importorskip("openai")
 
-HERMES = FORMATS[0]
+HERMES, LLAMA = FORMATS
 # A Hermes-style template (Qwen's layout): the tools in the system turn, calls as <tool_call>
 # blocks, tool results as <tool_response> in a user turn.
 TEMPLATE = """{%- if tools %}
@@ -74,6 +74,23 @@ NO_TOOLS = """{% for m in messages %}<|im_start|>{{ m.role }}
 {{ m.content }}<|im_end|>
 {% endfor %}{% if tools %}{% endif %}<|im_start|>assistant
 """
+# A Llama-3-style template: the tools in the first turn, a call is the whole answer.
+LLAMA_TEMPLATE = """{%- for message in messages %}
+<|start_header_id|>{{ 'ipython' if message.role == 'tool' else message.role }}<|end_header_id|>
+
+{% if tools and loop.first %}Tools, one JSON signature a line:
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}To call one, answer {"name": its name, "parameters": its arguments} alone (builtin
+tools after <|python_tag|>).
+
+{% endif %}
+{%- for call in message.tool_calls or [] %}{"name": "{{ call.function.name }}", "parameters": \
+{{ call.function.arguments | tojson }}}{% endfor %}{{ message.content }}<|eot_id|>
+{%- endfor %}
+{%- if add_generation_prompt %}
+<|start_header_id|>assistant<|end_header_id|>
+
+{% endif %}"""
 WEATHER = {"type": "object",
            "properties": {"city": {"type": "string", "maxLength": 20},
                           "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
@@ -107,8 +124,18 @@ def hermes_tokenizer(template: str = TEMPLATE, *, special_markers: bool = False)
                                                     pad_token_id=0), chat_template=template)
 
 
-def _stream(text: str, sizes) -> tuple[str, list[dict], CallParser]:
-    parser = CallParser(HERMES)
+def llama_tokenizer() -> Tokenizer:
+    """The tiny byte-level tokenizer with Llama 3's header, turn and python-tag tokens."""
+    backend = tiny_tokenizer()._backend
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (
+        "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>")])
+    return Tokenizer(backend, special=SpecialTokens(
+        bos_token_id=None, eos_token_ids=(EOS_ID, backend.token_to_id("<|eot_id|>")),
+        pad_token_id=0), chat_template=LLAMA_TEMPLATE)
+
+
+def _stream(text: str, sizes, fmt=None) -> tuple[str, list[dict], CallParser]:
+    parser = CallParser(fmt or HERMES)
     content, deltas, at = [], [], 0
     for size in sizes:
         piece_content, piece_deltas = parser.add(text[at:at + size])
@@ -158,32 +185,49 @@ OUTPUTS = {
 }
 
 
-@pytest.mark.parametrize("name", OUTPUTS)
-def test_whole_outputs_give_content_and_calls(name):
-    text, content, calls = OUTPUTS[name]
-    parser = CallParser(HERMES)
+# A bare format's output: one call, or text (<|python_tag|> is special: not in the text).
+BARE_OUTPUTS = {
+    "text": ("It is sunny. {not a call}", "It is sunny. {not a call}", []),
+    "a call": ('{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}',
+               "", [("get_weather", '{"city": "Paris", "unit": "celsius"}')]),
+    "a call after whitespace": ('\n {"name": "f", "parameters": {}}', "", [("f", "{}")]),
+    "braces, not a call": ("{not JSON}", "{not JSON}", []),
+    "cut off": ('{"name": "f", "parameters": {"a": [1, 2', "", [("f", '{"a": [1, 2')]),
+}
+CASES = [(HERMES, name) for name in OUTPUTS] + [(LLAMA, name) for name in BARE_OUTPUTS]
+
+
+def _case(fmt, name):
+    return (OUTPUTS if fmt is HERMES else BARE_OUTPUTS)[name]
+
+
+@pytest.mark.parametrize("fmt,name", CASES)
+def test_whole_outputs_give_content_and_calls(fmt, name):
+    text, content, calls = _case(fmt, name)
+    parser = CallParser(fmt)
     assert parser.read_whole(text) == (content if content or not calls else None)
     assert [(c.name, c.arguments) for c in parser.calls] == calls
     assert all(json.loads(c.arguments) is not None for c in parser.calls if c.is_complete)
 
 
-@pytest.mark.parametrize("name", OUTPUTS)
-def test_streamed_pieces_agree_with_the_whole_at_every_split(name):
-    text, content, calls = OUTPUTS[name]
+@pytest.mark.parametrize("fmt,name", CASES)
+def test_streamed_pieces_agree_with_the_whole_at_every_split(fmt, name):
+    text, content, calls = _case(fmt, name)
     rng = random.Random(0)
     splits = [[1] * len(text), [2] * len(text), [len(text)]]
     splits += [[rng.randint(1, 9) for _ in text] for _ in range(20)]
     for sizes in splits:
-        streamed, deltas, parser = _stream(text, sizes)
+        streamed, deltas, parser = _stream(text, sizes, fmt)
         assert streamed == content and _joined(deltas) == calls, sizes
         assert [c.is_complete for c in parser.calls] == [
-            c.is_complete for c in _stream(text, [len(text)])[2].calls]
+            c.is_complete for c in _stream(text, [len(text)], fmt)[2].calls]
 
 
 def test_markers_never_reach_the_content_and_arguments_come_in_pieces():
     text = f"Let me look.\n<tool_call>\n{PARIS}\n</tool_call>\n<tool_call>\n{OSLO}\n</tool_call>"
     parser = CallParser(HERMES)
     pieces = [parser.add(ch) for ch in text] + [parser.finish()]
+    assert all(len({d["index"] for d in ds}) == len(ds) for _, ds in pieces)  # one per call
     contents = [c for c, _ in pieces if c]
     assert "".join(contents) == "Let me look." and not any("<" in c for c in contents)
     argument_pieces = [d for _, ds in pieces for d in ds if "id" not in d]
@@ -208,6 +252,11 @@ def tokenizer():
 def compiler(tokenizer):
     return GrammarCompiler(tokenizer.to_json(), vocab_size=512,
                            eos_token_ids=tokenizer.eos_token_ids)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return llama_tokenizer()
 
 
 def _grammar(tokenizer, *, is_required=False, is_parallel=True) -> StructuredOutput:
@@ -261,6 +310,24 @@ def test_required_needs_a_call_and_one_call_ends_the_output(tokenizer, compiler)
     assert single.is_stopped()
 
 
+def test_a_bare_call_is_the_whole_answer_or_there_is_none(llama):
+    compiler = GrammarCompiler(llama.to_json(), vocab_size=512, eos_token_ids=llama.eos_token_ids)
+    auto, required = _grammar(llama), _grammar(llama, is_required=True)
+    tag = llama.token_to_id("<|python_tag|>")
+    call = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}'
+    for grammar, ids, is_valid in [
+            (auto, llama.encode("Sunny. {braces} later are text."), True),
+            (auto, llama.encode(call), True), (auto, [tag] + llama.encode(call), True),
+            (auto, llama.encode(call.replace("city", "town")), False),
+            (auto, llama.encode('{"text": 1}'), False),
+            (required, llama.encode("Sunny."), False), (required, llama.encode(call), True)]:
+        matcher = compiler.matcher(grammar)
+        assert _advance(matcher, ids) == is_valid, llama.decode(ids)
+    matcher = compiler.matcher(auto)
+    assert _advance(matcher, llama.encode(call)) and _allowed(matcher) == set(
+        llama.eos_token_ids)
+
+
 # -- which templates declare tools ---------------------------------------------------------------
 
 def test_the_template_decides_whether_tools_are_served():
@@ -273,6 +340,7 @@ def test_the_template_decides_whether_tools_are_served():
     mistral = TEMPLATE.replace("<tool_call>", "[TOOL_CALLS]").replace("</tool_call>", "")
     assert "Mistral's [TOOL_CALLS], which meshserve does not read" in \
         chat_tools(hermes_tokenizer(mistral)).refusal
+    assert chat_tools(llama_tokenizer()).format is LLAMA
     hidden = chat_tools(hermes_tokenizer(special_markers=True))
     assert hidden.format is None and "<tool_call> is a special token" in hidden.refusal
 
@@ -303,8 +371,7 @@ ENGINE = dict(num_pages=128, page_size=16, max_num_seqs=4, max_num_batched_token
               prefill_chunk=256, max_model_len=1024, max_logprobs=3, compilation_cache=False)
 
 
-@pytest.fixture(scope="module")
-def served(tokenizer):
+def _serve(tokenizer):
     config = EngineConfig(**ENGINE)
     runner = ScriptedRunner(config)
     server = GenerationServer(Engine(runner, tokenizer, config), ServerConfig(port=0, http_port=0))
@@ -313,6 +380,16 @@ def served(tokenizer):
                        max_retries=0) as client:
         yield client, runner
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def served(tokenizer):
+    yield from _serve(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def served_llama(llama):
+    yield from _serve(llama)
 
 
 def _say(served, tokenizer, *parts) -> None:
@@ -412,3 +489,26 @@ def test_history_tool_calls_go_to_the_template_as_the_model_writes_them(served, 
     assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '
             '{"city": "Paris"}}\n</tool_call><|im_end|>') in prompt
     assert "<tool_response>\n18 C, sunny\n</tool_response>" in prompt
+
+
+def test_a_bare_format_answers_a_call_or_text(served_llama, llama):
+    call = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}'
+    _say(served_llama, llama, [llama.token_to_id("<|python_tag|>")], call)
+    done = _chat(served_llama, extra_body={"return_token_ids": True})
+    (made,) = done.choices[0].message.tool_calls
+    assert done.choices[0].finish_reason == "tool_calls" and done.choices[0].message.content is None
+    assert (made.function.name, made.function.arguments) == (
+        "get_weather", '{"city": "Paris", "unit": "celsius"}')
+    assert json.dumps(TOOLS[1]) in llama.decode(done.prompt_token_ids)
+    content, calls, ids, finish = _read_stream(_chat(served_llama, stream=True))
+    assert (content, calls, len(ids), finish) == (
+        "", [("get_weather", '{"city": "Paris", "unit": "celsius"}')], 1, "tool_calls")
+    _say(served_llama, llama, "Sunny {and warm}.")
+    assert _chat(served_llama).choices[0].message.content == "Sunny {and warm}."
+
+
+def test_a_tool_schema_that_does_not_compile_is_a_400_naming_tools(served):
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}]
+    with pytest.raises(openai.BadRequestError) as error:
+        _chat(served, tools=bad)
+    assert error.value.body["param"] == "tools" and "foo" in error.value.body["message"]
