@@ -15,9 +15,10 @@ Invariants:
   template emits (e.g. `<|im_end|>`), so generation stops at the end of an assistant turn.
 * `apply_chat_template` renders the Jinja template the way HF transformers does: sandboxed,
   `trim_blocks` and `lstrip_blocks`, with `raise_exception`, `strftime_now` and `tojson`, and
-  the `tools` variable (OpenAI-style function definitions, or None). `renders_tools` says
-  whether the template shows the model those tools. Message content is data, never template code. Roles are limited to `CHAT_ROLES`. As in HF
-  transformers, special-token text inside content (`<|im_start|>`) encodes to the special token.
+  the `tools` variable (OpenAI-style function definitions, or None); `renders_tools` says
+  whether the template shows the model those tools. Message content is data, never template
+  code. Roles are limited to `CHAT_ROLES`. As in HF transformers, special-token text inside
+  content (`<|im_start|>`) encodes to the special token.
 * Text with a lone surrogate (no UTF-8 form) is refused with a ValueError naming where it is.
 * `IncrementalDecoder` never returns a partial UTF-8 character, and the concatenation of its
   deltas (including `flush()`) equals `Tokenizer.decode` of all ids it was fed.
@@ -438,10 +439,11 @@ class Tokenizer:
     def _probe_tools(self) -> bool:
         if not self._chat_template or "tools" not in self._chat_template:
             return False
-        probe = {"type": "function", "function": {
-            "name": TOOL_PROBE_NAME, "description": "A probe.", "parameters": {"type": "object", "properties": {}}}}
+        function = {"name": TOOL_PROBE_NAME, "description": "A probe.",
+                    "parameters": {"type": "object", "properties": {}}}
+        probe = {"type": "function", "function": function}
         try:
-            rendered = self.apply_chat_template([{"role": "user", "content": "Hello."}], tools=[probe])
+            rendered = self.apply_chat_template([{"role": "user", "content": "Hi."}], tools=[probe])
         except ValueError:  # a template that refuses a plain conversation with tools declares none
             return False
         return TOOL_PROBE_NAME in rendered

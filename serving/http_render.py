@@ -49,12 +49,11 @@ class Render:
     def whole(self, output: RequestOutput) -> dict:
         completion = output.outputs[0]
         logprobs = self._logprobs(completion.token_ids, completion.logprobs)
-        call = self._tool_call(completion)
         if self.parser is not None:
             choice = {"index": 0, "message": self._own_message(completion.text),
                       "logprobs": logprobs, "finish_reason": self._own_finish(completion)}
             body = self._base("chat.completion")
-        elif call is not None:
+        elif (call := self._tool_call(completion)) is not None:
             choice = {"index": 0, "message": {"role": "assistant", "content": None,
                                               "tool_calls": [call]},
                       "logprobs": logprobs, "finish_reason": "tool_calls"}

@@ -162,7 +162,8 @@ def read_structured(body: dict, *, chat: bool, chat_tools: ChatTools = NO_TEMPLA
         found.append(("structured_outputs", _structured_outputs(body["structured_outputs"])))
     tools = _tool_calls(body, chat=chat, chat_tools=chat_tools)
     if tools is not None:
-        found.append(("tool_choice", tools.structured()))
+        found.append(("tool_choice" if body.get("tool_choice") is not None else "tools",
+                      tools.structured()))
     if len(found) > 1:
         names = " and ".join(name for name, _ in found)
         raise FieldError(found[1][0], f"{names} each constrain the output: send one")
