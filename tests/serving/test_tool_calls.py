@@ -2,8 +2,8 @@
 
 No tool-calling model can be fetched here, so the model is a scripted runner that writes a given
 token sequence whatever the prompt, under a real byte-level tokenizer (tests/serving/
-tiny_tokenizer.py with Qwen's markers added) and a Hermes-style chat template written for these
-tests. Everything else is real: the template renders the tools, the engine enforces the
+tiny_tokenizer.py with Qwen's or Llama 3's tokens added) and a Hermes-style or Llama-3-style chat
+template written for these tests. Everything else is real: the template renders the tools, the engine enforces the
 llguidance grammar on every token the script writes (a call off its schema ends
 "unsatisfiable"), and the official `openai` client reads the answers from a server on
 127.0.0.1. Also: the parser alone (streamed and whole agree at every split), the grammar's masks,
