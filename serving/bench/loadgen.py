@@ -24,17 +24,21 @@ its gRPC status-code name, and a stream that ends with finish_reason "abort" as 
 `frontend="http"` sends the same requests to the OpenAI-compatible HTTP API instead
 (`POST /v1/completions`, streamed, with `return_token_ids` so each chunk's tokens are counted),
 one connection per request, over a small HTTP/1.1 client on asyncio streams (no dependency beyond
-the standard library). An HTTP error is recorded under the gRPC name of its status
-(`_HTTP_ERRORS`), so both front ends' results read alike.
+the standard library). `frontend="llama-server"` sends them the same way to llama.cpp's
+`llama-server` (`POST /completion`, streamed, `n_predict` and `ignore_eos`; a chunk's tokens are
+the growth of its running `tokens_predicted`, which also counts a token the server held back
+while it completed a UTF-8 character). An HTTP error is recorded under the gRPC name of its
+status (`_HTTP_ERRORS`), so every front end's results read alike.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import grpc
 import numpy as np
@@ -71,19 +75,23 @@ def run_online(target: str, requests: Sequence[BenchRequest], *, rate: float | N
                api_key: str | None = None, timeout: float | None = None,
                progress: bool = False, frontend: str = "grpc"
                ) -> tuple[list[RequestTiming], float]:
-    """Runs `requests` against the server at `target` ("host:port"; its gRPC port, or its HTTP
-    port with `frontend="http"`); returns one RequestTiming per request, in request order, and
-    the wall seconds. `timeout` is each request's deadline in seconds (None: none). Bad
-    arguments raise ValueError before anything is sent; a failed request never raises, it is
-    recorded."""
+    """Runs `requests` against the server at `target` ("host:port"; its gRPC port, its HTTP
+    port with `frontend="http"`, or llama-server's with `frontend="llama-server"`); returns one
+    RequestTiming per request, in request order, and the wall seconds. `timeout` is each
+    request's deadline in seconds (None: none). Bad arguments raise ValueError before anything
+    is sent; a failed request never raises, it is recorded."""
     if concurrency is not None and concurrency < 1:
         raise ValueError(f"concurrency must be >= 1 (or None for no cap), got {concurrency}")
-    if frontend not in ("grpc", "http"):
-        raise ValueError(f"frontend must be grpc or http, got {frontend!r}")
+    if frontend not in FRONTENDS:
+        raise ValueError(f"frontend must be one of {', '.join(FRONTENDS)}, got {frontend!r}")
     arrivals = arrival_times(len(requests), rate, burstiness, seed)
-    run = _run if frontend == "grpc" else _run_http
-    return asyncio.run(run(target, requests, arrivals, concurrency=concurrency,
-                           api_key=api_key, timeout=timeout, progress=progress))
+    if frontend == "grpc":
+        run = _run(target, requests, arrivals, concurrency=concurrency, api_key=api_key,
+                   timeout=timeout, progress=progress)
+    else:
+        run = _run_http(target, requests, arrivals, concurrency=concurrency, api_key=api_key,
+                        timeout=timeout, progress=progress, api=_HTTP_APIS[frontend])
+    return asyncio.run(run)
 
 
 async def _run(target: str, requests: Sequence[BenchRequest], arrivals: np.ndarray, *,
@@ -137,23 +145,75 @@ async def _send(stream: AsyncStream, prompt_tokens: int) -> RequestTiming:
                          prompt_tokens=prompt_tokens, error=error)
 
 
-# -- the HTTP front end ---------------------------------------------------------------------------
+# -- the HTTP front ends ---------------------------------------------------------------------------
 
 _HTTP_ERRORS = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND",
                 408: "DEADLINE_EXCEEDED", 409: "ALREADY_EXISTS", 429: "RESOURCE_EXHAUSTED",
                 500: "INTERNAL", 503: "UNAVAILABLE"}
 
 
+@dataclasses.dataclass(frozen=True)
+class _HttpApi:
+    """A streaming completion endpoint: where a request goes, its JSON body, and how one SSE
+    event reads: `read(event, tokens so far)` is (the tokens it carries, an error name or None)."""
+
+    path: str
+    body: Callable[[BenchRequest], dict]
+    read: Callable[[dict, int], tuple[int, str | None]]
+
+
+def _openai_body(request: BenchRequest) -> dict:
+    params = request.params()
+    return {"prompt": list(request.prompt_token_ids), "max_tokens": params.max_tokens,
+            "temperature": params.temperature, "ignore_eos": params.ignore_eos,
+            "stream": True, "return_token_ids": True}
+
+
+def _read_openai_event(event: dict, _seen: int) -> tuple[int, str | None]:
+    if "error" in event:
+        return 0, _error_name(event["error"])
+    tokens = sum(len(choice.get("token_ids") or ()) for choice in event["choices"])
+    aborted = any(choice.get("finish_reason") == "abort" for choice in event["choices"])
+    return tokens, "ABORTED" if aborted else None
+
+
+def _llama_server_body(request: BenchRequest) -> dict:
+    params = request.params()
+    return {"prompt": list(request.prompt_token_ids), "n_predict": params.max_tokens,
+            "temperature": params.temperature, "ignore_eos": params.ignore_eos,
+            "stream": True}
+
+
+def _read_llama_server_event(event: dict, seen: int) -> tuple[int, str | None]:
+    if "error" in event:
+        return 0, _error_name(event["error"])
+    return max(0, int(event.get("tokens_predicted", seen)) - seen), None
+
+
+def _error_name(error: dict) -> str:
+    """meshserve names its errors with gRPC's codes; llama-server gives the HTTP status."""
+    code = error.get("code")
+    if isinstance(code, int):
+        return _HTTP_ERRORS.get(code, f"HTTP_{code}")
+    return str(code or "INTERNAL").upper()
+
+
+_HTTP_APIS = {"http": _HttpApi("/v1/completions", _openai_body, _read_openai_event),
+              "llama-server": _HttpApi("/completion", _llama_server_body,
+                                       _read_llama_server_event)}
+FRONTENDS = ("grpc", *_HTTP_APIS)
+
+
 async def _run_http(target: str, requests: Sequence[BenchRequest], arrivals: np.ndarray, *,
                     concurrency: int | None, api_key: str | None, timeout: float | None,
-                    progress: bool) -> tuple[list[RequestTiming], float]:
+                    progress: bool, api: _HttpApi) -> tuple[list[RequestTiming], float]:
     host, port = target.rsplit(":", 1)
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
-    bodies = [json.dumps(_http_body(r)).encode() for r in requests]
+    bodies = [json.dumps(api.body(r)).encode() for r in requests]
     slots = asyncio.Semaphore(concurrency) if concurrency is not None else None
-    with contextlib.suppress(OSError, asyncio.TimeoutError):  # unreachable: every request fails
+    with contextlib.suppress(OSError, ValueError, asyncio.TimeoutError):  # unreachable: all fail
         await asyncio.wait_for(_drain(_http_request(host, int(port), "GET", "/health", b"", {})),
                                _CONNECT_TIMEOUT)
     with tqdm(total=len(requests), desc="requests", unit="req", disable=not progress) as bar:
@@ -162,7 +222,7 @@ async def _run_http(target: str, requests: Sequence[BenchRequest], arrivals: np.
         async def one(index: int) -> RequestTiming:
             await _sleep_until(start + float(arrivals[index]))
             async with slots if slots is not None else contextlib.nullcontext():
-                timing = await _send_http(host, int(port), bodies[index], headers, timeout,
+                timing = await _send_http(host, int(port), api, bodies[index], headers, timeout,
                                           len(requests[index].prompt_token_ids))
             bar.update(1)
             return timing
@@ -178,36 +238,26 @@ async def _drain(request) -> None:
         pass
 
 
-def _http_body(request: BenchRequest) -> dict:
-    params = request.params()
-    return {"prompt": list(request.prompt_token_ids), "max_tokens": params.max_tokens,
-            "temperature": params.temperature, "ignore_eos": params.ignore_eos,
-            "stream": True, "return_token_ids": True}
-
-
-async def _send_http(host: str, port: int, body: bytes, headers: dict, timeout: float | None,
-                     prompt_tokens: int) -> RequestTiming:
+async def _send_http(host: str, port: int, api: _HttpApi, body: bytes, headers: dict,
+                     timeout: float | None, prompt_tokens: int) -> RequestTiming:
     times: list[float] = []
     tokens: list[int] = []
     error = None
     send = time.perf_counter()
 
     async def read() -> str | None:
-        status, events = await _http_request(host, port, "POST", "/v1/completions", body,
-                                             headers)
+        status, events = await _http_request(host, port, "POST", api.path, body, headers)
         if status != 200:
             async for _ in events:
                 pass
             return _HTTP_ERRORS.get(status, f"HTTP_{status}")
         async for event in events:
-            if "error" in event:
-                return str(event["error"].get("code") or "INTERNAL").upper()
-            for choice in event["choices"]:
-                if choice.get("token_ids"):
-                    times.append(time.perf_counter())
-                    tokens.append(len(choice["token_ids"]))
-                if choice.get("finish_reason") == "abort":
-                    return "ABORTED"
+            new_tokens, failure = api.read(event, sum(tokens))
+            if new_tokens:
+                times.append(time.perf_counter())
+                tokens.append(new_tokens)
+            if failure is not None:
+                return failure
         return None
 
     try:
