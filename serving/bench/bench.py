@@ -474,12 +474,15 @@ def _host_memory_bytes() -> int:
 
 def run_peers(names: Sequence[str], model_name_or_path: str, requests: list[BenchRequest], *,
               max_batch_size: int, continuous: dict[str, Any] | None = None,
+              engine_config: EngineConfig | None = None, arrivals: dict[str, Any] | None = None,
               log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Each peer on the same requests through `meshserve.serving.bench.peers.run_peer`; one that is
-    unavailable is recorded as `{"skipped": message}`, never an error. With `continuous` (its
-    results), the ratios continuous / peer are added."""
+    """Each peer on the same requests through `meshserve.serving.bench.peers.run_peer`, and
+    llama-server through `meshserve.serving.bench.llama_server.run_peer`, shaped like
+    `engine_config` and on `arrivals` (`run_online`'s rate, burstiness, concurrency, seed, slos;
+    none: all at t=0); one that is unavailable is recorded as `{"skipped": message}`, never an
+    error. With `continuous` (its results), the ratios continuous / peer are added."""
     try:
-        from meshserve.serving.bench import peers
+        from meshserve.serving.bench import llama_server, peers
     except ImportError as err:
         return {name: {"skipped": f"meshserve.serving.bench.peers is not available ({err})"}
                 for name in names}
@@ -488,8 +491,15 @@ def run_peers(names: Sequence[str], model_name_or_path: str, requests: list[Benc
         try:
             # Every core this process may use, as meshserve's own steps do (llama.cpp would
             # otherwise take half of them).
-            result = dict(peers.run_peer(name, model_name_or_path, requests,
-                                         max_batch_size=max_batch_size, threads=_cpu_count()))
+            if name == llama_server.NAME:
+                result = llama_server.run_peer(model_name_or_path, requests, log=log,
+                                               shape=_llama_server_shape(engine_config, requests,
+                                                                         max_batch_size),
+                                               **(arrivals or {}))
+            else:
+                result = dict(peers.run_peer(name, model_name_or_path, requests,
+                                             max_batch_size=max_batch_size,
+                                             threads=_cpu_count()))
         except peers.PeerUnavailable as err:
             log(f"peer {name} skipped: {err}")
             results[name] = {"skipped": str(err)}
@@ -497,8 +507,25 @@ def run_peers(names: Sequence[str], model_name_or_path: str, requests: list[Benc
         if continuous is not None and result.get("output_tokens_per_s"):
             result["ratio_continuous_output_tokens_per_s"] = (
                 continuous["output_tokens_per_s"] / result["output_tokens_per_s"])
+        if continuous is not None and _ttft_median(result) and _ttft_median(continuous):
+            result["ratio_continuous_ttft_median"] = (_ttft_median(continuous)
+                                                      / _ttft_median(result))
         results[name] = result
     return results
+
+
+def _llama_server_shape(config: EngineConfig | None, requests: list[BenchRequest],
+                        max_batch_size: int):
+    from meshserve.serving.bench.llama_server import ServerShape
+
+    if config is None:
+        longest = max(len(r.prompt_token_ids) + r.num_output_tokens for r in requests)
+        return ServerShape(slots=max_batch_size, context_per_slot=longest, threads=_cpu_count())
+    return ServerShape.matching(config, threads=_cpu_count())
+
+
+def _ttft_median(result: dict[str, Any]) -> float | None:
+    return (result.get("ttft_s") or {}).get("median")
 
 
 def environment() -> dict[str, Any]:

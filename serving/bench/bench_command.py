@@ -43,8 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--burstiness", type=float, default=1.0,
                         help="online: gamma shape of the gaps; 1 is Poisson, < 1 burstier")
     parser.add_argument("--concurrency", type=int, default=None, help="online: max in flight")
-    parser.add_argument("--frontend", default="grpc", choices=("grpc", "http"),
-                        help="online: drive the gRPC server or the OpenAI-compatible HTTP API")
+    parser.add_argument("--frontend", default=None, choices=("grpc", "http"),
+                        help="online: drive the gRPC server or the OpenAI-compatible HTTP API "
+                             "(default: grpc; http when comparing with llama-server)")
     parser.add_argument("--rates", type=_float_list, default=None,
                         help="online: sweep these request rates, e.g. 1,2,4")
     parser.add_argument("--concurrencies", type=_int_list, default=None,
@@ -66,8 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode batch for the roofline; repeat (default: 1, 8, 32, 64; "
                              "--quick: 1, 8)")
     parser.add_argument("--compare", action="append", default=None,
-                        choices=("static", "hf", "llama-cpp"),
-                        help="static (always run) and peers: hf, llama-cpp; repeat for several")
+                        choices=("static", "hf", "llama-cpp", "llama-server"),
+                        help="static (always run) and peers: hf, llama-cpp, llama-server (built "
+                             "from source on first use, about 9 minutes on 2 cores); repeat for "
+                             "several")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                         help="a progress bar (only on a terminal)")
     parser.add_argument("--quick", action="store_true",
@@ -146,9 +149,10 @@ def run(args: argparse.Namespace) -> None:
             progress=progress) for p in bench.POLICY_NAMES}
     peers = [name for name in dict.fromkeys(args.compare or []) if name != "static"]
     if peers:
-        results["peers"] = bench.run_peers(peers, args.model, requests,
-                                           max_batch_size=llm.engine.config.max_num_seqs,
-                                           continuous=results["continuous"])
+        results["peers"] = bench.run_peers(
+            peers, args.model, requests, max_batch_size=llm.engine.config.max_num_seqs,
+            continuous=results["continuous"], engine_config=llm.engine.config,
+            arrivals={k: v for k, v in online.items() if k != "frontend"})
     _print_bench(results, payload.get("roofline"), online=args.mode == "online")
     if args.output or args.plots_dir:
         from meshserve.serving.bench import plots  # matplotlib: only when plotting
@@ -209,6 +213,8 @@ def _check_bench_args(args: argparse.Namespace) -> None:
                    if given]
     if online_only and args.mode != "online":
         raise ValueError(f"{', '.join(online_only)} need --mode online")
+    if args.frontend is None:  # llama-server is HTTP and JSON, so meshserve goes the same way
+        args.frontend = "http" if "llama-server" in (args.compare or []) else "grpc"
     if args.rates and args.concurrencies:
         raise ValueError("give --rates or --concurrencies, not both")
     if args.find_max_rate and args.slo_scale is None:
@@ -286,7 +292,10 @@ def _print_bench(results: dict, roof: dict | None, *, online: bool) -> None:
             print(f"{name}: skipped ({peer['skipped']})")
         else:
             print(f"{name}: {peer['output_tokens_per_s']:.1f} out tok/s; continuous / {name} "
-                  f"{peer.get('ratio_continuous_output_tokens_per_s', float('nan')):.2f}x")
+                  f"{peer.get('ratio_continuous_output_tokens_per_s', float('nan')):.2f}x"
+                  + (f"; TTFT p50 {_ms(peer['ttft_s']['median'])} ms, continuous / {name} "
+                     f"{peer['ratio_continuous_ttft_median']:.2f}x"
+                     if "ratio_continuous_ttft_median" in peer else ""))
     print(f"continuous / static output tokens/s: {results['ratio_output_tokens_per_s']:.2f}x")
 
 
@@ -295,14 +304,18 @@ def _ms(seconds: float | None) -> str:
 
 
 def _print_latencies(results: dict) -> None:
-    print(f"{'policy':<11} {'metric':<6} {'mean ms':>9} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9}")
-    for policy in ("continuous", "static"):
+    """Client-side latencies of both policies and of each peer measured the same way."""
+    print(f"{'policy':<12} {'metric':<6} {'mean ms':>9} {'p50 ms':>9} {'p90 ms':>9} "
+          f"{'p99 ms':>9}")
+    rows = {p: results[p] for p in ("continuous", "static")} | {
+        name: r for name, r in results.get("peers", {}).items() if "itl_s" in r}
+    for policy, r in rows.items():
         for metric in ("ttft", "tpot", "itl", "e2el"):
-            d = results[policy][f"{metric}_s"]
+            d = r[f"{metric}_s"]
             cells = " ".join(f"{'-' if d[k] is None else f'{d[k] * 1e3:.1f}':>9}"
                              for k in ("mean", "median", "p90", "p99"))
-            print(f"{policy:<11} {metric:<6} {cells}")
-        goodput = results[policy]["goodput"]
+            print(f"{policy:<12} {metric:<6} {cells}")
+        goodput = r["goodput"]
         if goodput["slos"] is not None:
-            print(f"{policy:<11} goodput {goodput['requests_per_s']:.2f} req/s under "
+            print(f"{policy:<12} goodput {goodput['requests_per_s']:.2f} req/s under "
                   f"{goodput['slos']['name']}")

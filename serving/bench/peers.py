@@ -7,6 +7,9 @@ Two peers, both on the CPU and both optional:
   llama-cpp   llama.cpp through `llama-cpp-python`, on the same GGUF file
               (`pip install 'meshserve[peers-llama-cpp]'`).
 
+A third, llama.cpp's own `llama-server` with parallel slots, is built from source and driven over
+HTTP like meshserve's online run; it lives in `meshserve.serving.bench.llama_server`.
+
 `run_peer` raises `PeerUnavailable` when the peer's library is not installed or the peer cannot
 load the model (a random-weight preset, a meshserve checkpoint, a file the library rejects), so
 the caller can skip it with the message.
@@ -36,6 +39,7 @@ from meshserve.model.config import PRESETS
 from meshserve.model.hub import ModelFiles, ModelNotFoundError, known_models, resolve_model
 
 PEERS = ("hf", "llama-cpp")
+GGUF_PEERS = ("llama-cpp", "llama-server")  # llama-server: `meshserve.serving.bench.llama_server`
 WARMUP_TOKENS = 4
 PAD_TOKEN_ID = 0  # masked out by the attention mask, so any id in the vocabulary serves
 
@@ -65,7 +69,7 @@ def run_peer(name: str, model: str, requests: Sequence[PeerRequest], *,
         raise ValueError("run_peer needs at least one request")
     if max_batch_size < 1:
         raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
-    files = _model_files(name, model)
+    files = model_files(name, model)
     if name == "hf":
         wall_s, version, used_threads = _run_hf(files, requests, max_batch_size, threads)
     else:
@@ -83,7 +87,8 @@ def run_peer(name: str, model: str, requests: Sequence[PeerRequest], *,
     }
 
 
-def _model_files(peer: str, model: str) -> ModelFiles:
+def model_files(peer: str, model: str) -> ModelFiles:
+    """The files of `model` that the peer `peer` loads; `PeerUnavailable` when it cannot."""
     if model in PRESETS:
         raise PeerUnavailable(
             f"The {peer} peer needs real weights, but {model!r} is a random-weight preset; pass a "
@@ -98,8 +103,8 @@ def _model_files(peer: str, model: str) -> ModelFiles:
             f"The {peer} peer cannot load the meshserve checkpoint {files.path}; pass the .gguf "
             "file or HF directory it was converted from."
         )
-    if peer == "llama-cpp" and files.kind != "gguf":
-        raise PeerUnavailable(f"The llama-cpp peer needs a GGUF file, but {files.path} is an HF "
+    if peer in GGUF_PEERS and files.kind != "gguf":
+        raise PeerUnavailable(f"The {peer} peer needs a GGUF file, but {files.path} is an HF "
                               "directory; pass the model as a .gguf file.")
     return files
 
