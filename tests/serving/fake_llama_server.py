@@ -4,8 +4,9 @@ the way llama-server does (SSE over chunked HTTP/1.1, each event a JSON object w
 token i of a request is (last prompt id + 1 + i) % VOCAB.
 
 Like the real server it holds a token back while it completes a UTF-8 character: here every
-`HOLD_EVERY`-th token is sent together with the next one, so that event's `tokens_predicted`
-grows by 2. The last event has `stop: true`, no tokens, and the final count.
+`HOLD_EVERY`-th token is held, and the next event carries both tokens' text but, as
+llama-server's does, only the newest token's id in `tokens`, while its `tokens_predicted` grows
+by 2. The last event has `stop: true`, no tokens, and the final count.
 
 `Behaviour` sets the timing (a delay before the first token and between tokens), a short output
 (`missing_tokens` fewer than `n_predict`), an error event after the first token, a status code
@@ -94,7 +95,7 @@ def make_server(port: int = 0, behaviour: Behaviour | None = None,
                 held.append(token)
                 if (i + 1) % HOLD_EVERY == 0 and i + 1 < n:
                     continue  # sent with the next token, as a split UTF-8 character would be
-                self._event({"content": "x" * len(held), "tokens": held, "stop": False,
+                self._event({"content": "x" * len(held), "tokens": [token], "stop": False,
                              "tokens_predicted": i + 1, "tokens_evaluated": len(body["prompt"])})
                 held = []
                 if behaviour.error_after_first:
