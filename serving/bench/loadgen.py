@@ -301,10 +301,18 @@ async def _http_request(host: str, port: int, method: str, path: str, body: byte
                 buffer += piece
                 while b"\n\n" in buffer:
                     event, buffer = buffer.split(b"\n\n", 1)
-                    data = event.decode().removeprefix("data: ").strip()
+                    data = _sse_data(event.decode())
                     if data and data != "[DONE]":
                         yield json.loads(data)
         finally:
             writer.close()
 
     return status, events()
+
+
+def _sse_data(event: str) -> str:
+    """The data of one server-sent event: its `data:` lines joined. Comment lines (":", which
+    llama-server sends as a keep-alive while a request waits) and other fields carry none."""
+    lines = [line.removeprefix("data:").removeprefix(" ") for line in event.splitlines()
+             if line.startswith("data:")]
+    return "\n".join(lines).strip()

@@ -8,7 +8,8 @@ Like the real server it holds a token back while it completes a UTF-8 character:
 llama-server's does, only the newest token's id in `tokens`, while its `tokens_predicted` grows
 by 2. The last event has `stop: true`, no tokens, and the final count.
 
-`Behaviour` sets the timing (a delay before the first token and between tokens), a short output
+Each stream opens with an SSE comment, the keep-alive llama-server sends every 30 s while a
+request waits for a slot. `Behaviour` sets the timing (a delay before the first token and between tokens), a short output
 (`missing_tokens` fewer than `n_predict`), an error event after the first token, a status code
 for every completion, and `loading_polls` answers of 503 from `/health` before 200.
 
@@ -87,6 +88,7 @@ def make_server(port: int = 0, behaviour: Behaviour | None = None,
         def _stream(self, body: dict):
             n = max(0, body["n_predict"] - behaviour.missing_tokens)
             tokens = output_tokens(body["prompt"], n)
+            self._chunk(b":\n\n")  # the keep-alive llama-server sends while a request waits
             time.sleep(behaviour.first_token_delay)
             held: list[int] = []
             for i, token in enumerate(tokens):
