@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import socket
 import subprocess
 import tempfile
@@ -107,8 +108,10 @@ def run_peer(model: str, requests: Sequence[BenchRequest], *, shape: ServerShape
         warmup = dataclasses.replace(requests[0], num_output_tokens=min(
             WARMUP_TOKENS, requests[0].num_output_tokens))
         _check_warmup(*loadgen.run_online(target, [warmup], frontend=NAME))
+        load_before = os.getloadavg()
         timings, wall = loadgen.run_online(target, requests, rate=rate, burstiness=burstiness,
                                            concurrency=concurrency, seed=seed, frontend=NAME)
+        load_after = os.getloadavg()
     timings = mark_short_outputs(timings, requests)
     summary = latency.summarize(timings, wall_seconds=wall, slos=slos)
     done = [t for t in timings if t.completed]
@@ -121,6 +124,9 @@ def run_peer(model: str, requests: Sequence[BenchRequest], *, shape: ServerShape
         "server": dataclasses.asdict(shape) | {"arguments": shape.arguments()},
         "arrivals": {"rate": rate, "burstiness": burstiness, "concurrency": concurrency,
                      "seed": seed},
+        # llama.cpp's threads spin at every barrier, so it slows far more than meshserve when
+        # other processes share the cores: the load says how far to trust the ratio.
+        "load_average": {"before": list(load_before), "after": list(load_after)},
         "samples": {"ttft_s": [t.ttft for t in done if t.ttft is not None],
                     "tpot_s": [t.tpot for t in done if t.tpot is not None],
                     "e2el_s": [t.e2el for t in done if t.e2el is not None]},

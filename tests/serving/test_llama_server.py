@@ -138,6 +138,7 @@ def test_run_peer_serves_the_workload_from_a_server_shaped_like_the_engine(fake_
     assert result["output_tokens_per_s"] == result["output_throughput"] > 0
     assert result["ttft_s"]["count"] == 3 and result["tpot_s"]["count"] == 2
     assert "fake" in result["version"]
+    assert len(result["load_average"]["before"]) == len(result["load_average"]["after"]) == 3
     argv = json.loads(fake_binary["argv"].read_text())
     assert {name: flag(argv, name) for name in ("-np", "-c", "-b", "-ub", "-t", "-tb",
                                                 "--cache-ram", "--host", "-m")} == {
