@@ -100,7 +100,7 @@ def ensure_built(cache_dir: str | os.PathLike | None = None, *,
                                 "on PATH; install them (e.g. apt-get install cmake g++)")
     directory = build_directory(cache_dir)
     directory.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(directory.with_suffix(".lock"), log):
+    with _exclusive_lock(directory.parent / f"{directory.name}.lock", log):
         if not all(_is_complete(binary_path(name, cache_dir)) for name in BUILD_TARGETS):
             _build(directory, log=log, jobs=jobs or len(os.sched_getaffinity(0)))
     return server

@@ -247,6 +247,8 @@ def test_ensure_built_builds_once_under_a_lock_and_then_reuses_the_cache(tmp_pat
     assert all(build.cached_binary(name, tmp_path) for name in build.BUILD_TARGETS)
     assert os.popen(str(paths[0])).read() == "tiny\n"
     assert not list(build.build_directory(tmp_path).glob(".build-*"))  # the sources are gone
+    lock = build.build_directory(tmp_path).parent / f"{build.build_directory(tmp_path).name}.lock"
+    assert lock.is_file()  # one lock per build key, named after it
     build.ensure_built(tmp_path, log=lambda _: None)
     assert len(fetches) == 1
 
