@@ -241,14 +241,18 @@ def sampling_arrays(rows: Sequence[Row], *, eos_token_ids: Sequence[int] = ()) -
         steps=np.array([len(r.output_token_ids) for r in requests], COLUMNS["steps"].dtype),
         history=history, history_is_output=is_output,
         banned_ids=_banned_ids(params, eos_token_ids), allowed=_allowed(rows),
+        is_constrained=np.array([_is_constrained(row) for row in rows], np.bool_),
     )
+
+
+def _is_constrained(row: Row) -> bool:
+    return row.request.constraint is not None and row.is_sampled
 
 
 def _allowed(rows: Sequence[Row]) -> np.ndarray:
     """Each sampled constrained row's mask of the tokens allowed next ([B, W]); -1 elsewhere,
     and one word wide when no row is constrained (the runner pads it)."""
-    masks = {i: row.request.constraint for i, row in enumerate(rows)
-             if row.request.constraint is not None and row.is_sampled}
+    masks = {i: row.request.constraint for i, row in enumerate(rows) if _is_constrained(row)}
     if not masks:
         return np.full((len(rows), 1), -1, np.int32)
     width = next(iter(masks.values())).num_words

@@ -214,7 +214,10 @@ class SamplingArrays:
     `banned_ids` (EOS and stop ids, padded with -1) are masked. `allowed` is each row's packed
     mask of the tokens its structured-output constraint allows next (`batching/structured.py`):
     all bits set (-1) for an unconstrained row, and only one word wide on the host when no row of
-    a sub-batch is constrained; the runner pads it to the vocabulary's words.
+    a sub-batch is constrained; the runner pads it to the vocabulary's words. `is_constrained`
+    marks the rows whose mask applies: the sampler decides whether to read the masks from it,
+    since a vote over `allowed` itself would cost a collective on a mesh that splits the
+    vocabulary (the mask's words follow the logits' split).
     """
 
     temperature: np.ndarray = _column(np.float32, 0.0, from_params=True)  # [B]
@@ -231,6 +234,7 @@ class SamplingArrays:
     min_tokens: np.ndarray = _column(np.int32, 0, from_params=True)  # [B]
     banned_ids: np.ndarray = _column(np.int32, -1, width="banned")  # [B, E]
     allowed: np.ndarray = _column(np.int32, -1, width="vocab_words")  # [B, W] packed token mask
+    is_constrained: np.ndarray = _column(np.bool_, False)  # [B] whether `allowed` applies
 
     def __post_init__(self):
         rows = self.temperature.shape[0]

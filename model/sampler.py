@@ -105,7 +105,7 @@ def sample(logits: jax.Array, s: SamplingArrays, *, num_top_logprobs: int = 0,
     # much as the lm_head at batch 32). An all-greedy batch skips the sort over the vocabulary
     # that the filters need.
     has_mask, has_penalty, has_min_tokens, has_sampled = _any_on_some_replica([
-        jnp.any(s.allowed != -1),
+        jnp.any(s.is_constrained),
         jnp.any((s.repetition_penalty != 1) | (s.presence_penalty != 0)
                 | (s.frequency_penalty != 0)),
         jnp.any(s.steps < s.min_tokens), jnp.any(s.temperature > 0)], replica_axes)

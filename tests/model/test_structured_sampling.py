@@ -28,6 +28,7 @@ def _run(logits, allowed=None, **fields):
                                      (_ROWS,)).copy() for name, value in fields.items()}
     if allowed is not None:
         updates["allowed"] = np.asarray(allowed, np.int32)
+        updates["is_constrained"] = np.any(updates["allowed"] != -1, axis=1)
     arrays = device_sampling(dataclasses.replace(base, **updates), history_width=4,
                              banned_width=2, mask_width=mask_words(_VOCAB))
     return jax.device_get(_SAMPLE(np.asarray(logits, np.float32), arrays, num_top_logprobs=3))
