@@ -17,6 +17,10 @@ itself; decode is the T = 1 case of the same code.
 
 `paged_attention` is the portable gather-based implementation (CPU and GPU). `dense_attention` is
 the reference that tests compare it with. Neither knows about batching policy.
+
+What a layer asks of attention beyond q, k and v is an `AttentionSpec`: the query scale, the
+soft-cap of the scores (Gemma 2), and the sliding window (keys within `window` positions of the
+query, its own included). Every context and backend honours all three, or refuses by name.
 """
 
 from __future__ import annotations
@@ -29,6 +33,44 @@ import jax.numpy as jnp
 
 # Finite, so fully masked rows (padding) give uniform weights instead of NaN.
 MASK_VALUE = -1e30
+# The window of a layer that sees its whole context: larger than any position.
+NO_WINDOW = 2 ** 30
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """One layer's attention beyond q, k and v.
+
+    window    [] int32: query at position p sees keys at positions > p - window (so `window`
+              keys, its own included); NO_WINDOW for a full layer. None: no layer of the model
+              slides, and no window is computed at all.
+    scale     what scores q.k are multiplied by
+    softcap   scores become softcap * tanh(score / softcap) before masking; 0: none
+    """
+
+    window: jax.Array | None = None
+    scale: float | None = dataclasses.field(default=None, metadata=dict(static=True))
+    softcap: float = dataclasses.field(default=0.0, metadata=dict(static=True))
+
+    def query_scale(self, head_dim: int) -> float:
+        return head_dim ** -0.5 if self.scale is None else self.scale
+
+
+DEFAULT_SPEC = AttentionSpec()
+
+
+def _soft_cap(scores: jax.Array, spec: AttentionSpec) -> jax.Array:
+    if not spec.softcap:
+        return scores
+    return spec.softcap * jnp.tanh(scores / spec.softcap)
+
+
+def _in_window(key_pos: jax.Array, query_pos: jax.Array, spec: AttentionSpec) -> jax.Array:
+    """Whether each key is inside its query's window (shapes broadcast); True with no window."""
+    if spec.window is None:
+        return jnp.ones((), bool)
+    return key_pos > query_pos - spec.window
 
 
 @jax.tree_util.register_dataclass
@@ -85,6 +127,7 @@ class AttentionMeta:
     write_slots: jax.Array  # [N] flat slot (page * page_size + offset) of each new token
     masks: tuple[jax.Array, ...]  # per sub-batch [B, T, M * page_size] bool
     page_tables: tuple[jax.Array, ...]  # per sub-batch [B, M]
+    positions: tuple[jax.Array, ...]  # per sub-batch [B, T], for sliding windows
 
 
 def attention_meta(batches: tuple[SubBatch, ...], page_size: int) -> AttentionMeta:
@@ -93,6 +136,7 @@ def attention_meta(batches: tuple[SubBatch, ...], page_size: int) -> AttentionMe
         write_slots=jnp.concatenate(slots),
         masks=tuple(_paged_mask(b, page_size) for b in batches),
         page_tables=tuple(b.page_table for b in batches),
+        positions=tuple(b.positions for b in batches),
     )
 
 
@@ -123,11 +167,18 @@ def write_kv(cache_k: jax.Array, cache_v: jax.Array, layer: jax.Array, k: jax.Ar
 
 
 def paged_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: jax.Array,
-                    page_table: jax.Array, mask: jax.Array) -> jax.Array:
-    """q [B, T, H, h] over the pages of `page_table` [B, M]; mask [B, T, M*S]. -> [B, T, H, h]."""
+                    page_table: jax.Array, mask: jax.Array, spec: AttentionSpec = DEFAULT_SPEC
+                    ) -> jax.Array:
+    """q [B, T, H, h] over the pages of `page_table` [B, M]; mask [B, T, M*S]. -> [B, T, H, h].
+    `mask` holds no window: a sliding spec needs `paged_window_mask` folded in by the caller."""
     k = _gather_pages(cache_k, layer, page_table)  # [B, K, M*S, h]
     v = _gather_pages(cache_v, layer, page_table)
-    return _masked_attention(q, k, v, mask)
+    return _masked_attention(q, k, v, mask, spec)
+
+
+def window_mask(query_pos: jax.Array, num_keys: int, spec: AttentionSpec) -> jax.Array:
+    """[B, T, S] whether key position s is inside the window of the query at query_pos [B, T]."""
+    return _in_window(jnp.arange(num_keys)[None, None, :], query_pos[:, :, None], spec)
 
 
 def _gather_pages(cache: jax.Array, layer: jax.Array, page_table: jax.Array) -> jax.Array:
@@ -137,18 +188,20 @@ def _gather_pages(cache: jax.Array, layer: jax.Array, page_table: jax.Array) -> 
     return pages.reshape(batch, kv_heads, num_slots * page_size, head_dim)
 
 
-def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Reference attention. q [B, T, H, h]; k, v [B, S, K, h]; mask [B, T, S]."""
-    return _masked_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask)
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+                    spec: AttentionSpec = DEFAULT_SPEC) -> jax.Array:
+    """Reference attention. q [B, T, H, h]; k, v [B, S, K, h]; mask [B, T, S] (window included)."""
+    return _masked_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask, spec)
 
 
-def _masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def _masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+                      spec: AttentionSpec = DEFAULT_SPEC) -> jax.Array:
     """q [B, T, H, h]; k, v [B, K, S, h]; mask [B, T, S] -> [B, T, H, h]."""
     batch, tokens, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]
     q = q.reshape(batch, tokens, kv_heads, num_heads // kv_heads, head_dim)  # [B, T, K, G, h]
     scores = _einsum_f32("btkgh,bksh->bkgts", q, k)
-    scores = scores * (head_dim ** -0.5)
+    scores = _soft_cap(scores * spec.query_scale(head_dim), spec)
     scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
     weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = _einsum_f32("bkgts,bksh->btkgh", weights, v)
@@ -173,15 +226,17 @@ class PagedContext:
     meta: AttentionMeta
     shapes: tuple[tuple[int, int], ...] = dataclasses.field(metadata=dict(static=True))
 
-    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array,
-               layer: jax.Array) -> tuple[jax.Array, "PagedContext"]:
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, layer: jax.Array,
+               spec: AttentionSpec = DEFAULT_SPEC) -> tuple[jax.Array, "PagedContext"]:
         """q [N, H, h], k/v [N, K, h] of all sub-batches, flattened -> [N, H, h]."""
         cache_k, cache_v = write_kv(self.k, self.v, layer, k, v, self.meta.write_slots)
         outs = []
-        for (b, t), q_sub, table, mask in zip(self.shapes, _split_rows(q, self.shapes),
-                                              self.meta.page_tables, self.meta.masks):
+        for (b, t), q_sub, table, mask, pos in zip(
+                self.shapes, _split_rows(q, self.shapes), self.meta.page_tables,
+                self.meta.masks, self.meta.positions):
+            mask = mask & window_mask(pos, mask.shape[-1], spec)
             out = paged_attention(q_sub.reshape(b, t, *q.shape[1:]), cache_k, cache_v, layer,
-                                  table, mask)
+                                  table, mask, spec)
             outs.append(out.reshape(b * t, *q.shape[1:]))
         return jnp.concatenate(outs), dataclasses.replace(self, k=cache_k, v=cache_v)
 
@@ -194,12 +249,14 @@ class DenseContext:
     mask: jax.Array  # [B, T, T]
     shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
 
-    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array,
-               layer: jax.Array) -> tuple[jax.Array, "DenseContext"]:
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, layer: jax.Array,
+               spec: AttentionSpec = DEFAULT_SPEC) -> tuple[jax.Array, "DenseContext"]:
         del layer
         b, t = self.shape
+        positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+        mask = self.mask & window_mask(positions, t, spec)
         out = dense_attention(q.reshape(b, t, *q.shape[1:]), k.reshape(b, t, *k.shape[1:]),
-                              v.reshape(b, t, *v.shape[1:]), self.mask)
+                              v.reshape(b, t, *v.shape[1:]), mask, spec)
         return out.reshape(q.shape), self
 
 
@@ -290,36 +347,45 @@ def ragged_meta(batch: RaggedBatch, *, page_size: int, block_pages: int) -> Ragg
 
 def ragged_attention_jnp(q: jax.Array, k: jax.Array, v: jax.Array, cache_k: jax.Array,
                          cache_v: jax.Array, layer: jax.Array, meta: RaggedMeta, *,
-                         block_pages: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+                         block_pages: int, spec: AttentionSpec = DEFAULT_SPEC
+                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The portable backend: q [T, H, h], this step's k/v [T, K, h] -> ([T, H, h], caches).
 
     Two parts joined by one online softmax: this step's own keys (dense, causal within each
     sequence, no gather), then the cached context, read `block_pages` pages at a time and only as
     many blocks as the longest cached context needs (a `fori_loop` with a traced trip count), so
-    a step never reads pages nobody asked for. The caches ride through the loop and come back:
-    a loop that only closed over them would make XLA copy them for it, every layer.
+    a step never reads pages nobody asked for. With a sliding window each token's blocks start at
+    the block holding its window's first key, and the loop runs only as many blocks as the
+    widest window needs: pages behind every window are never read. The caches ride through the
+    loop and come back: a loop that only closed over them would make XLA copy them for it, every
+    layer.
     """
     tokens, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]
-    q = (q * head_dim ** -0.5).reshape(tokens, kv_heads, num_heads // kv_heads, head_dim)
-    scores = _einsum_f32("tkgh,ukh->tkgu", q, k)  # [T, K, G, T]
-    scores = jnp.where(meta.step_mask[:, None, None, :], scores, MASK_VALUE)
+    q = (q * spec.query_scale(head_dim)).reshape(tokens, kv_heads, num_heads // kv_heads,
+                                                  head_dim)
+    scores = _soft_cap(_einsum_f32("tkgh,ukh->tkgu", q, k), spec)  # [T, K, G, T]
+    step_mask = meta.step_mask & _in_window(meta.positions[None, :], meta.positions[:, None],
+                                            spec)
+    scores = jnp.where(step_mask[:, None, None, :], scores, MASK_VALUE)
     m = jnp.max(scores, axis=-1)  # [T, K, G]
     p = jnp.exp(scores - m[..., None])
     state = (m, jnp.sum(p, axis=-1), _einsum_f32("tkgu,ukh->tkgh", p.astype(v.dtype), v),
              cache_k, cache_v)
     page_size = cache_k.shape[3]
     block_tokens = block_pages * page_size
+    first_block, num_blocks = _context_blocks(meta, spec, block_tokens)
 
     def context_block(j, state):
         m, l, acc, cache_k, cache_v = state
-        pages = jax.lax.dynamic_slice_in_dim(meta.token_pages, j * block_pages, block_pages,
-                                             axis=1)  # [T, bp]
+        block = first_block + j  # [T] or []: each token's j-th block of its own window
+        pages = _block_pages(meta.token_pages, block, block_pages)  # [T, bp]
         kb = _gather_token_pages(cache_k, layer, pages)  # [T, K, bp * S, h]
         vb = _gather_token_pages(cache_v, layer, pages)
-        scores = _einsum_f32("tkgh,tksh->tkgs", q, kb)  # [T, K, G, bp * S]
-        key_pos = j * block_tokens + jnp.arange(block_tokens)
-        visible = key_pos[None, :] < meta.cached_lens[:, None]  # [T, bp * S]
+        scores = _soft_cap(_einsum_f32("tkgh,tksh->tkgs", q, kb), spec)  # [T, K, G, bp * S]
+        key_pos = jnp.expand_dims(block * block_tokens, -1) + jnp.arange(block_tokens)
+        visible = (key_pos < meta.cached_lens[:, None]) & _in_window(
+            key_pos, meta.positions[:, None], spec)  # [T, bp * S]
         scores = jnp.where(visible[:, None, None, :], scores, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
         p = jnp.exp(scores - m_new[..., None])
@@ -327,10 +393,34 @@ def ragged_attention_jnp(q: jax.Array, k: jax.Array, v: jax.Array, cache_k: jax.
         acc = acc * rescale[..., None] + _einsum_f32("tkgs,tksh->tkgh", p.astype(vb.dtype), vb)
         return m_new, l * rescale + jnp.sum(p, axis=-1), acc, cache_k, cache_v
 
-    _, l, acc, cache_k, cache_v = jax.lax.fori_loop(0, meta.num_context_blocks, context_block,
-                                                    state)
+    _, l, acc, cache_k, cache_v = jax.lax.fori_loop(0, num_blocks, context_block, state)
     out = (acc / l[..., None]).reshape(tokens, num_heads, head_dim).astype(q.dtype)
     return out, cache_k, cache_v
+
+
+def _context_blocks(meta: RaggedMeta, spec: AttentionSpec, block_tokens: int
+                    ) -> tuple[jax.Array, jax.Array]:
+    """(first block, number of blocks) of cached context to read. Without a window every token
+    starts at block 0 and the longest context sets the count. With one, token t starts at the
+    block holding its first visible key, max(0, position - window + 1), and needs the blocks
+    from there to its cached length; the count is the most any token needs."""
+    if spec.window is None:
+        return jnp.zeros((), jnp.int32), meta.num_context_blocks
+    first_key = jnp.maximum(meta.positions - spec.window + 1, 0)  # [T]
+    first = first_key // block_tokens
+    needed = (meta.cached_lens - first * block_tokens + block_tokens - 1) // block_tokens
+    return first, jnp.max(jnp.maximum(needed, 0))
+
+
+def _block_pages(token_pages: jax.Array, block: jax.Array, block_pages: int) -> jax.Array:
+    """token_pages [T, M] at each token's block `block` ([] shared, or [T]) -> [T, bp]."""
+    if block.ndim == 0:
+        return jax.lax.dynamic_slice_in_dim(token_pages, block * block_pages, block_pages,
+                                            axis=1)
+    index = block[:, None] * block_pages + jnp.arange(block_pages)  # [T, bp]
+    # A token that needs fewer blocks than the widest window runs past its table's end here;
+    # those keys lie beyond its cached length, so clipping to the last page is never seen.
+    return jnp.take_along_axis(token_pages, index, axis=1, mode="clip")
 
 
 def _gather_token_pages(cache: jax.Array, layer: jax.Array, pages: jax.Array) -> jax.Array:
@@ -343,34 +433,52 @@ def _gather_token_pages(cache: jax.Array, layer: jax.Array, pages: jax.Array) ->
 
 def ragged_attention_pallas_gpu(q: jax.Array, k: jax.Array, v: jax.Array, cache_k: jax.Array,
                                 cache_v: jax.Array, layer: jax.Array, meta: RaggedMeta, *,
-                                block_pages: int, interpret: bool = False
+                                block_pages: int, spec: AttentionSpec = DEFAULT_SPEC,
+                                interpret: bool = False
                                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The NVIDIA GPU backend: JAX's Pallas (Triton) paged-attention kernel, one query per token.
 
     The kernel serves one query per row, so each token is a row with its own sequence's page
     table and a length of `position + 1`: this step's keys were written first, so the kernel
     reads them from the cache too and causality falls out of the lengths. It does not scale the
-    scores: q is pre-scaled. `interpret=True` runs it on the CPU (slowly), for the parity test.
+    scores: q is pre-scaled. It soft-caps the scores itself. It masks keys by length only, so it
+    cannot keep to a sliding window: a model with one is refused (`check_backend`).
+    `interpret=True` runs it on the CPU (slowly), for the parity test.
     """
     del k, v, block_pages
     from jax.experimental.pallas.ops.gpu import paged_attention as pallas_paged
 
-    head_dim = q.shape[-1]
+    assert spec.window is None, "pallas-gpu has no sliding window; check_backend refuses it"
     num_pages = meta.token_pages.shape[1]
     k_splits = math.gcd(num_pages, 16)
     out = pallas_paged.paged_attention(
-        q * head_dim ** -0.5, cache_k[layer], cache_v[layer], meta.token_pages,
+        q * spec.query_scale(q.shape[-1]), cache_k[layer], cache_v[layer], meta.token_pages,
         meta.positions + 1, k_splits=k_splits,
-        pages_per_compute_block=min(8, num_pages // k_splits), interpret=interpret)
+        pages_per_compute_block=min(8, num_pages // k_splits),
+        attn_logits_soft_cap=spec.softcap or None, interpret=interpret)
     return out.astype(q.dtype), cache_k, cache_v
 
 
 ATTENTION_BACKENDS = {"jnp": ragged_attention_jnp, "pallas-gpu": ragged_attention_pallas_gpu}
+# Backends that cannot keep to a sliding window.
+WINDOWLESS_BACKENDS = ("pallas-gpu",)
 
 
-def default_backend(platform: str) -> str:
-    """The attention backend `auto` means on `platform` ("cpu", "gpu", "tpu")."""
-    return "pallas-gpu" if platform == "gpu" else "jnp"
+def default_backend(platform: str, *, sliding_window: int = 0) -> str:
+    """The attention backend `auto` means on `platform` ("cpu", "gpu", "tpu") for a model with
+    (or without, 0) a sliding window."""
+    if platform == "gpu" and not sliding_window:
+        return "pallas-gpu"
+    return "jnp"
+
+
+def check_backend(backend: str, *, sliding_window: int) -> None:
+    """Raises ValueError naming the fix when `backend` cannot run a model with this window."""
+    if sliding_window and backend in WINDOWLESS_BACKENDS:
+        raise ValueError(
+            f"attention backend {backend!r} cannot apply a sliding window (JAX's Pallas "
+            f"paged-attention kernel masks keys by length only), and this model has a "
+            f"{sliding_window}-token window; use attention='jnp' (or 'auto')")
 
 
 @jax.tree_util.register_dataclass
@@ -385,12 +493,13 @@ class RaggedContext:
     backend: str = dataclasses.field(metadata=dict(static=True))
     block_pages: int = dataclasses.field(metadata=dict(static=True))
 
-    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array,
-               layer: jax.Array) -> tuple[jax.Array, "RaggedContext"]:
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, layer: jax.Array,
+               spec: AttentionSpec = DEFAULT_SPEC) -> tuple[jax.Array, "RaggedContext"]:
         """q [T, H, h], k/v [T, K, h] -> [T, H, h]. Writes before it reads."""
         cache_k, cache_v = write_kv(self.k, self.v, layer, k, v, self.meta.write_slots)
         out, cache_k, cache_v = ATTENTION_BACKENDS[self.backend](
-            q, k, v, cache_k, cache_v, layer, self.meta, block_pages=self.block_pages)
+            q, k, v, cache_k, cache_v, layer, self.meta, block_pages=self.block_pages,
+            spec=spec)
         return out, dataclasses.replace(self, k=cache_k, v=cache_v)
 
 

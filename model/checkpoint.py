@@ -93,11 +93,17 @@ def config_from_json(text: str) -> ModelConfig:
                          f"got {scaling!r}")
     moe = data["moe"]
     try:
-        return ModelConfig(**(data | {"rope_scaling": RopeScaling(**scaling),
-                                      "eos_token_ids": tuple(data["eos_token_ids"]),
-                                      "moe": None if moe is None else MoeConfig(**moe)}))
+        scaling = RopeScaling(**_tuples(scaling))
+        return ModelConfig(**(_tuples(data) | {"rope_scaling": scaling,
+                                               "moe": None if moe is None else MoeConfig(**moe)}))
     except TypeError as err:
         raise ValueError(f"a model config field has the wrong type: {err}") from None
+
+
+def _tuples(fields: dict) -> dict:
+    """JSON's lists back as the tuples the frozen configs hold."""
+    return {key: tuple(value) if isinstance(value, list) else value
+            for key, value in fields.items()}
 
 
 # -- saving --------------------------------------------------------------------------------------

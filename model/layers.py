@@ -93,18 +93,23 @@ def _flat_matmul(spec: str, x: jax.Array, kernel: jax.Array) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
-    """Over the last axis, whose logical name is `axis` (`head_dim` for per-head q/k norms)."""
+    """RMSNorm over the last axis. `one_plus` scales by (1 + w), Gemma's kind, whose stored
+    weights are offsets from 1 (they start at 0)."""
 
     def __init__(self, dim: int, *, eps: float, dtype: str, rngs: nnx.Rngs,
-                 stack: tuple[int, ...] = (), axis: str = "embed"):
+                 stack: tuple[int, ...] = (), one_plus: bool = False, axis: str = "embed"):
         self.eps = eps
-        self.scale = param(rngs, (dim,), (axis,), dtype=dtype, init=constant_init(1.0),
-                           stack=stack)
+        self.one_plus = one_plus
+        self.scale = param(rngs, (dim,), (axis,), dtype=dtype,
+                           init=constant_init(0.0 if one_plus else 1.0), stack=stack)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        scale = self.scale[...].astype(jnp.float32)
+        if self.one_plus:
+            scale = scale + 1.0
+        return (x32 * scale).astype(x.dtype)
 
 
 class LayerNorm(nnx.Module):
@@ -133,18 +138,27 @@ class Embed(nnx.Module):
     def __call__(self, ids: jax.Array) -> jax.Array:
         return jnp.take(self.embedding[...], ids, axis=0)
 
+    def scaled(self, ids: jax.Array) -> jax.Array:
+        """The embeddings times sqrt(width), the factor rounded to the weights' dtype as Gemma
+        rounds it (sqrt(3072) is 55.5 in bfloat16)."""
+        x = self(ids)
+        return x * jnp.asarray(math.sqrt(x.shape[-1]), x.dtype)
+
     def attend(self, x: jax.Array) -> jax.Array:
         """The tied output projection: x [..., D] -> logits [..., V]."""
         return jnp.einsum("...d,vd->...v", x, self.embedding[...])
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
-    """Inverse frequencies [h/2] of HF's rotary embedding, with its scaling rules."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+def rope_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
+    """Inverse frequencies [rotary_dim/2] of HF's rotary embedding, with its scaling rules."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim))
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
     if scaling.rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
+    if scaling.rope_type == "longrope":
+        factors = scaling.long_factor if scaling.long_context else scaling.short_factor
+        return inv_freq / np.asarray(factors, np.float64)
     return inv_freq
 
 
@@ -161,17 +175,27 @@ def _llama3_inv_freq(inv_freq: np.ndarray, s: RopeScaling) -> np.ndarray:
     return np.where(is_medium, blended, scaled)
 
 
-def rope_tables(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos and sin [..., h/2] in float32 for the given integer positions."""
-    inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+def rope_tables(config: ModelConfig, positions: jax.Array, *, local: bool = False
+                ) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [..., rotary_dim/2] in float32 for the given integer positions; `local`: the
+    sliding layers' own, unscaled RoPE (`config.local_rope_theta`)."""
+    if local:
+        theta, scaling = config.local_rope_theta, RopeScaling()
+    else:
+        theta, scaling = config.rope_theta, config.rope_scaling
+    inv_freq = rope_inv_freq(config.rotary_dim, theta, scaling)
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
-    return jnp.cos(angles), jnp.sin(angles)
+    # LongRoPE's attention factor scales cos and sin, so q.k by its square.
+    factor = scaling.attention_factor if scaling.rope_type == "longrope" else 1.0
+    return jnp.cos(angles) * factor, jnp.sin(angles) * factor
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """HF rotate_half rotary embedding. x [N, heads, h]; cos/sin [N, h/2]."""
+    """HF rotate_half rotary embedding of the leading 2 * cos.shape[-1] dimensions; the rest of
+    each head passes through (partial rotary). x [N, heads, h]; cos/sin [N, r/2]."""
     x32 = x.astype(jnp.float32)
-    x1, x2 = jnp.split(x32, 2, axis=-1)
+    rotary = 2 * cos.shape[-1]
+    x1, x2, rest = jnp.split(x32, [rotary // 2, rotary], axis=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
     return out.astype(x.dtype)

@@ -55,7 +55,7 @@ from meshserve.batching.runner import SampledRows
 from meshserve.batching.sampling import SamplingArrays, concat_sampling, greedy_sampling
 from meshserve.batching.structured import mask_words
 from meshserve.model.attention import (ATTENTION_BACKENDS, KVCache, RaggedBatch, SubBatch,
-                                       default_backend, init_kv_cache)
+                                       check_backend, default_backend, init_kv_cache)
 from meshserve.model.sampler import host_sampling
 from meshserve.model.steps import ragged_step
 
@@ -129,10 +129,13 @@ class RunnerConfig:
         """Sequence slots of a step with `num_tokens` token slots: every sequence has a token."""
         return min(num_tokens, self.max_num_seqs)
 
-    def backend(self) -> str:
-        """The attention backend, with "auto" settled against the default JAX platform."""
-        return default_backend(jax.default_backend()) if self.attention == "auto" \
-            else self.attention
+    def backend(self, *, sliding_window: int = 0) -> str:
+        """The attention backend, with "auto" settled against the default JAX platform and the
+        model's sliding window (0: none); a backend that cannot keep to the window is refused."""
+        if self.attention == "auto":
+            return default_backend(jax.default_backend(), sliding_window=sliding_window)
+        check_backend(self.attention, sliding_window=sliding_window)
+        return self.attention
 
     def step_keys(self) -> list[tuple[int, int]]:
         """Every compiled call's key `(token slots per replica, has targets)`."""
@@ -182,6 +185,7 @@ class ModelRunner:
                  layout: DeviceLayout | None = None):
         self.model_config = model.config
         self.config = config
+        self.attention = config.backend(sliding_window=model.config.sliding_window)
         self.layout = layout
         # Seconds the last `execute` waited for the device, after every call was dispatched:
         # the rest of its time is host work (flattening, transfers, dispatch).
@@ -198,12 +202,11 @@ class ModelRunner:
             init, out_shardings=layout.cache)()
         step = functools.partial(
             ragged_step, self.graphdef, num_top_logprobs=config.max_logprobs,
-            attention=config.backend(), block_pages=config.block_pages,
+            attention=self.attention, block_pages=config.block_pages,
             constrain=None if layout is None else layout.constrain,
             replica_axes=() if layout is None else layout.replica_axes)
         self._step = compile_step(step, layout)
         self._programs: dict[tuple[int, ...], jax.stages.Compiled] = {}
-        self.attention = config.backend()
         self.last_user: object | None = None  # whoever ran the last step (engines sharing the
         # runner take turns with its KV cache)
         self.channel: PlanChannel | None = None  # a multi-process run sets it on every process

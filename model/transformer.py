@@ -3,6 +3,11 @@
 Layers are stacked: every per-layer weight has a leading `layers` axis of size L, and `run_layers`
 applies them with one `lax.scan`. Pipeline stages later split that axis.
 
+The Llama modules are every dense family of the llama architecture: the config's switches pick
+the norm (x * w, or Gemma's x * (1 + w)), the gated MLP's activation, q/k norms, sandwich norms,
+embedding scaling, soft-capping, the query scale and the window. Layers differ only in whether
+they slide (and then may have their own RoPE): the scan carries one flag per layer.
+
 A model sees a step as flattened tokens `[N]` with their positions, plus an attention context
 (`PagedContext` for serving, `DenseContext` for the reference). It does not know how tokens were
 batched or where pages live.
@@ -17,8 +22,10 @@ from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from meshserve.model.attention import NO_WINDOW, AttentionSpec
 from meshserve.model.config import ModelConfig
 from meshserve.model.layers import Dense, Embed, LayerNorm, RMSNorm, apply_rope, rope_tables
 from meshserve.model.moe import MoeMLP
@@ -26,6 +33,7 @@ from meshserve.model.moe import MoeMLP
 
 class LlamaAttention(nnx.Module):
     def __init__(self, c: ModelConfig, *, rngs: nnx.Rngs, stack: tuple[int, ...]):
+        self.config = c
         bias = 2 if c.qkv_bias else 0
         kw = dict(dtype=c.dtype, rngs=rngs, stack=stack, bias_dims=bias)
         d, h = c.hidden_size, c.head_dim
@@ -36,45 +44,74 @@ class LlamaAttention(nnx.Module):
                        **kw)
         self.o = Dense("nqh,qhd->nd", (c.num_heads, h, d), ("heads", "head_dim", "embed"),
                        dtype=c.dtype, rngs=rngs, stack=stack)
-        norm = dict(eps=c.norm_eps, dtype=c.dtype, rngs=rngs, stack=stack, axis="head_dim")
+        norm = dict(eps=c.norm_eps, dtype=c.dtype, rngs=rngs, stack=stack, axis="head_dim",
+                    one_plus=c.norm_kind == "rms_one_plus")
         self.q_norm = RMSNorm(h, **norm) if c.qk_norm else None
         self.k_norm = RMSNorm(h, **norm) if c.qk_norm else None
 
-    def __call__(self, x, ctx, layer, rope):
-        cos, sin = rope
+    def __call__(self, x, ctx, layer, rope, sliding):
         q, k = self.q(x), self.k(x)  # [N, H, h], [N, K, h]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = layer_rope(rope, sliding)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out, ctx = ctx.attend(q, k, self.v(x), layer)
+        out, ctx = ctx.attend(q, k, self.v(x), layer, self.spec(sliding))
         return self.o(out), ctx
 
+    def spec(self, sliding) -> AttentionSpec:
+        c = self.config
+        window = jnp.where(sliding, c.sliding_window, NO_WINDOW) if c.sliding_window else None
+        return AttentionSpec(window=window, scale=c.query_scale, softcap=c.attn_logit_softcap)
 
-class SwiGLU(nnx.Module):
+
+def layer_rope(rope, sliding):
+    """The layer's (cos, sin): the sliding layers' own when the model has them."""
+    full, local = rope
+    if local is None:
+        return full
+    return jax.tree.map(lambda f, l: jnp.where(sliding, l, f), full, local)
+
+
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
+class GatedMLP(nnx.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU with silu, GeGLU (Gemma) with the tanh GELU."""
+
     def __init__(self, c: ModelConfig, *, rngs: nnx.Rngs, stack: tuple[int, ...]):
         kw = dict(dtype=c.dtype, rngs=rngs, stack=stack)
         d, f = c.hidden_size, c.intermediate_size
+        self.activation = c.mlp_activation
         self.gate = Dense("nd,df->nf", (d, f), ("embed", "ffw"), **kw)
         self.up = Dense("nd,df->nf", (d, f), ("embed", "ffw"), **kw)
         self.down = Dense("nf,fd->nd", (f, d), ("ffw", "embed"), **kw)
 
     def __call__(self, x):
-        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+        return self.down(ACTIVATIONS[self.activation](self.gate(x)) * self.up(x))
 
 
 class LlamaBlock(nnx.Module):
+    """Pre-norm attention and MLP; with `sandwich_norms` (Gemma) each output is normed too."""
+
     def __init__(self, c: ModelConfig, *, rngs: nnx.Rngs, stack: tuple[int, ...]):
-        norm = dict(eps=c.norm_eps, dtype=c.dtype, rngs=rngs, stack=stack)
+        norm = dict(eps=c.norm_eps, dtype=c.dtype, rngs=rngs, stack=stack,
+                    one_plus=c.norm_kind == "rms_one_plus")
         self.attn_norm = RMSNorm(c.hidden_size, **norm)
         self.attn = LlamaAttention(c, rngs=rngs, stack=stack)
+        self.post_attn_norm = RMSNorm(c.hidden_size, **norm) if c.sandwich_norms else None
         self.mlp_norm = RMSNorm(c.hidden_size, **norm)
-        mlp = SwiGLU if c.moe is None else MoeMLP  # a mixture of experts: model/moe.py
+        mlp = GatedMLP if c.moe is None else MoeMLP  # a mixture of experts: model/moe.py
         self.mlp = mlp(c, rngs=rngs, stack=stack)
+        self.post_mlp_norm = RMSNorm(c.hidden_size, **norm) if c.sandwich_norms else None
 
-    def __call__(self, x, ctx, layer, rope):
-        h, ctx = self.attn(self.attn_norm(x), ctx, layer, rope)
-        x = x + h
-        return x + self.mlp(self.mlp_norm(x)), ctx
+    def __call__(self, x, ctx, layer, rope, sliding):
+        h, ctx = self.attn(self.attn_norm(x), ctx, layer, rope, sliding)
+        x = x + _normed(self.post_attn_norm, h)
+        return x + _normed(self.post_mlp_norm, self.mlp(self.mlp_norm(x))), ctx
+
+
+def _normed(norm: RMSNorm | None, x: jax.Array) -> jax.Array:
+    return x if norm is None else norm(x)
 
 
 class GPT2Attention(nnx.Module):
@@ -86,8 +123,8 @@ class GPT2Attention(nnx.Module):
         self.o = Dense("nqh,qhd->nd", (c.num_heads, h, d), ("heads", "head_dim", "embed"),
                        bias_dims=1, **kw)
 
-    def __call__(self, x, ctx, layer, rope):
-        del rope
+    def __call__(self, x, ctx, layer, rope, sliding):
+        del rope, sliding
         qkv = self.qkv(x)  # [N, 3, H, h]
         out, ctx = ctx.attend(qkv[:, 0], qkv[:, 1], qkv[:, 2], layer)
         return self.o(out), ctx
@@ -112,37 +149,45 @@ class GPT2Block(nnx.Module):
         self.mlp_norm = LayerNorm(c.hidden_size, **norm)
         self.mlp = GeluMLP(c, rngs=rngs, stack=stack)
 
-    def __call__(self, x, ctx, layer, rope):
-        h, ctx = self.attn(self.attn_norm(x), ctx, layer, rope)
+    def __call__(self, x, ctx, layer, rope, sliding):
+        h, ctx = self.attn(self.attn_norm(x), ctx, layer, rope, sliding)
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), ctx
 
 
 class Llama(nnx.Module):
-    """Llama, Mistral, Qwen2 and SmolLM2; Mixtral and Qwen2-MoE with `config.moe`."""
+    """Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3, Phi-3 and SmolLM2; Mixtral, Qwen2-MoE and
+    Qwen3-MoE with `config.moe`."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         c = self.config = config
         self.embed = Embed(c.vocab_size, c.hidden_size, ("vocab", "embed"), dtype=c.dtype,
                            rngs=rngs)
         self.layers = LlamaBlock(c, rngs=rngs, stack=(c.num_layers,))
-        self.final_norm = RMSNorm(c.hidden_size, eps=c.norm_eps, dtype=c.dtype, rngs=rngs)
+        self.final_norm = RMSNorm(c.hidden_size, eps=c.norm_eps, dtype=c.dtype, rngs=rngs,
+                                  one_plus=c.norm_kind == "rms_one_plus")
         self.lm_head = None if c.tie_embeddings else Dense(
             "...d,dv->...v", (c.hidden_size, c.vocab_size), ("embed", "vocab"), dtype=c.dtype,
             rngs=rngs)
 
     def embed_tokens(self, tokens, positions):
         del positions
-        return self.embed(tokens)
+        return self.embed.scaled(tokens) if self.config.scale_embeddings else self.embed(tokens)
 
     def position_tables(self, positions):
-        return rope_tables(self.config, positions)
+        """(full, local): RoPE tables of the full layers, and of the sliding ones when they
+        have their own base (Gemma 3), else None."""
+        local = rope_tables(self.config, positions, local=True) \
+            if self.config.local_rope_theta else None
+        return rope_tables(self.config, positions), local
 
     def logits(self, x):
         x = self.final_norm(x)
-        if self.lm_head is None:
-            return self.embed.attend(x)
-        return self.lm_head(x)
+        logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
+        cap = self.config.final_logit_softcap
+        if cap:
+            logits = cap * jnp.tanh(logits.astype(jnp.float32) / cap)
+        return logits
 
 
 class GPT2(nnx.Module):
@@ -204,14 +249,27 @@ def apply_layers(model, x: jax.Array, positions: jax.Array, ctx, constrain=None)
 
     def one_layer(carry, xs):
         x, ctx = carry
-        params, layer = xs
-        x, ctx = nnx.merge(graphdef, params)(x, ctx, layer, rope)
+        params, layer, sliding = xs
+        x, ctx = nnx.merge(graphdef, params)(x, ctx, layer, rope, sliding)
         return (constrain(x, RESIDUAL_AXES), ctx), None
 
     num_layers = jax.tree.leaves(layer_params)[0].shape[0]
     layer_ids = jnp.arange(num_layers, dtype=jnp.int32)
-    (x, ctx), _ = jax.lax.scan(one_layer, (x, ctx), (layer_params, layer_ids))
+    sliding = jnp.asarray(sliding_flags(model.config, num_layers))
+    (x, ctx), _ = jax.lax.scan(one_layer, (x, ctx), (layer_params, layer_ids, sliding))
     return x, ctx
+
+
+def sliding_flags(config: ModelConfig, num_layers: int) -> np.ndarray:
+    """[num_layers] bool: which of the stack's layers attend through the window. A stack shorter
+    than the model (a pipeline stage's share) is only possible when every layer is alike."""
+    flags = config.sliding_layers
+    if num_layers != len(flags):
+        if len(set(flags)) > 1:
+            raise ValueError(f"{config.name} mixes sliding and full layers, which a pipeline "
+                             "stage's share of the layers cannot tell apart; use stage=1")
+        flags = flags[:1] * num_layers
+    return np.asarray(flags, bool)
 
 
 def param_paths(model) -> dict[str, tuple[int, ...]]:
@@ -232,6 +290,18 @@ def model_from_params(config: ModelConfig, params: Mapping[str, Any]) -> Llama |
                              f"expected {tuple(var.shape)} for model {config.name}")
         var.set_value(jnp.asarray(value, dtype=var.dtype))
     return nnx.merge(graphdef, state)
+
+
+def for_context(model, max_model_len: int):
+    """`model` for sequences of up to `max_model_len` tokens: the same weights (no copy) under
+    `config.for_context`, which only LongRoPE's choice of factors reads; `model` itself when
+    that changes nothing."""
+    config = model.config.for_context(max_model_len)
+    if config == model.config:
+        return model
+    _, state = nnx.split(model)
+    return model_from_params(config, {_path_key(path): var.get_value()
+                                      for path, var in nnx.to_flat_state(state)})
 
 
 def _path_key(path: tuple) -> str:

@@ -40,6 +40,7 @@ from meshserve.batching.runner import Runner, SampledRows, StepRunner
 from meshserve.model.runner import CompileCounter, ModelRunner, enable_compilation_cache
 from meshserve.model.pipeline import PipelineRunner
 from meshserve.model.tokenizer import Tokenizer, check_text
+from meshserve.model.transformer import for_context
 from meshserve.serving.config import EngineConfig
 from meshserve.serving.grammar import GrammarCompiler
 from meshserve.serving.multihost import payload_sizes
@@ -89,6 +90,7 @@ class Engine:
         engine with the same model, mesh and runner config.
         """
         settled = config.for_model(model.config)
+        model = for_context(model, settled.max_model_len)  # LongRoPE's factors
         if runner is None:
             prepared = prepare(model, settled.mesh_config)
             model = prepared.model

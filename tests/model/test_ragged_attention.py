@@ -2,7 +2,8 @@
 
 One batch holds a decode, a chunk that follows a cached context longer than one context block,
 a fresh prompt and padding slots, over shuffled pages. Each backend must give, for every real
-token, what dense causal attention over its own sequence gives.
+token, what dense causal attention over its own sequence gives; with a layer's `AttentionSpec`
+(a sliding window, soft-capped scores, a query scale) too, or the backend refuses it by name.
 """
 
 import functools
@@ -10,9 +11,13 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from meshserve.model.attention import (ATTENTION_BACKENDS, RaggedBatch, dense_attention,
-                                       ragged_attention_pallas_gpu, ragged_meta, write_kv)
+from meshserve.model.attention import (ATTENTION_BACKENDS, DEFAULT_SPEC, AttentionSpec,
+                                       RaggedBatch, default_backend, dense_attention,
+                                       ragged_attention_pallas_gpu, ragged_meta, window_mask,
+                                       write_kv)
+from meshserve.model.runner import RunnerConfig
 
 PAGE_SIZE, HEADS, KV_HEADS, HEAD_DIM, BLOCK_PAGES, MAX_PAGES = 4, 6, 2, 16, 2, 16
 # (cached tokens, new tokens) per sequence: a decode, a chunk after 21 cached tokens (three
@@ -53,34 +58,42 @@ def _case(seed=0):
     return batch, (q, k, v), jnp.asarray(cache[0]), jnp.asarray(cache[1]), (q_all, k_all, v_all)
 
 
-def _dense_reference(q_all, k_all, v_all):
-    """Each sequence's new tokens under dense causal attention over its whole context."""
+def _dense_reference(q_all, k_all, v_all, spec=DEFAULT_SPEC):
+    """Each sequence's new tokens under dense causal attention over its whole context (inside
+    the spec's window)."""
     outs = []
     for (cached, new), q, k, v in zip(SEQUENCES, q_all, k_all, v_all):
         total = cached + new
         q_full = np.zeros((1, total, HEADS, HEAD_DIM), np.float32)
         q_full[0, cached:] = q
         pos = np.arange(total)
-        mask = pos[None, :, None] >= pos[None, None, :]
+        mask = (pos[None, :, None] >= pos[None, None, :]) & window_mask(
+            jnp.asarray(pos[None]), total, spec)
         out = dense_attention(jnp.asarray(q_full), jnp.asarray(k[None]), jnp.asarray(v[None]),
-                              jnp.asarray(mask))
+                              jnp.asarray(mask), spec)
         outs.append(np.asarray(out)[0, cached:])
     return np.concatenate(outs)
 
 
-def _run(backend):
+def _run(backend, spec=DEFAULT_SPEC, poison=None):
+    """The backend's output on `_case()`, and the dense reference. `poison` names pages, as
+    (sequence, page index) pairs, whose cached K and V become NaN: a backend that reads one
+    (even to mask it) returns NaN."""
     batch, (q, k, v), cache_k, cache_v, sequences = _case()
+    for seq, index in poison or ():
+        page = batch.page_table[seq, index]
+        cache_k, cache_v = (c.at[:, :, page].set(jnp.nan) for c in (cache_k, cache_v))
     meta = ragged_meta(jax.tree.map(jnp.asarray, batch), page_size=PAGE_SIZE,
                        block_pages=BLOCK_PAGES)
     layer = jnp.int32(0)
     cache_k, cache_v = write_kv(cache_k, cache_v, layer, jnp.asarray(k), jnp.asarray(v),
                                 meta.write_slots)
     got, kept_k, kept_v = backend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), cache_k,
-                                  cache_v, layer, meta, block_pages=BLOCK_PAGES)
+                                  cache_v, layer, meta, block_pages=BLOCK_PAGES, spec=spec)
     np.testing.assert_array_equal(kept_k, cache_k)  # the caches come back untouched
     np.testing.assert_array_equal(kept_v, cache_v)
     num_real = sum(n for _, n in SEQUENCES)
-    return np.asarray(got), num_real, _dense_reference(*sequences)
+    return np.asarray(got), num_real, _dense_reference(*sequences, spec=spec)
 
 
 def test_portable_backend_equals_dense_attention():
@@ -105,3 +118,43 @@ def test_pallas_gpu_backend_equals_dense_attention():
     got, num_real, want = _run(functools.partial(ragged_attention_pallas_gpu, interpret=interpret))
     tolerance = 1e-5 if interpret else 2e-2  # the GPU's f32 dots may run as TF32
     np.testing.assert_allclose(got[:num_real], want, atol=tolerance, rtol=tolerance)
+
+
+# Gemma-like: a 5-token window (narrower than a block of 8), scores capped at 3, a query scale of
+# its own.
+SLIDING = AttentionSpec(window=jnp.int32(5), scale=0.3, softcap=3.0)
+
+
+def test_portable_backend_keeps_to_a_sliding_window_with_soft_capped_scores():
+    got, num_real, want = _run(ATTENTION_BACKENDS["jnp"], SLIDING)
+    np.testing.assert_allclose(got[:num_real], want, atol=1e-5, rtol=1e-5)
+    full, _, _ = _run(ATTENTION_BACKENDS["jnp"], AttentionSpec(scale=0.3, softcap=3.0))
+    assert np.abs(full[:num_real] - got[:num_real]).max() > 1e-2  # the window mattered
+
+
+def test_portable_backend_never_reads_pages_behind_every_window():
+    """The decode at position 30 sees keys 26..30, so its blocks 0-2 (pages 0-5) are never
+    read; the chunk at 21..26 sees keys from 17 on, so its blocks 0-1 (pages 0-3) are not
+    either. Poisoned with NaN, they would turn the output to NaN if read."""
+    behind = [(0, i) for i in range(6)] + [(1, i) for i in range(4)]
+    got, num_real, want = _run(ATTENTION_BACKENDS["jnp"], SLIDING, poison=behind)
+    np.testing.assert_allclose(got[:num_real], want, atol=1e-5, rtol=1e-5)
+    one_more, _, _ = _run(ATTENTION_BACKENDS["jnp"], SLIDING, poison=behind + [(0, 6)])
+    assert np.isnan(one_more[0]).all()  # page 6 holds keys 24..27: inside the decode's window
+
+
+def test_pallas_gpu_backend_soft_caps_scores():
+    interpret = jax.default_backend() != "gpu"
+    spec = AttentionSpec(scale=0.3, softcap=3.0)
+    got, num_real, want = _run(functools.partial(ragged_attention_pallas_gpu,
+                                                 interpret=interpret), spec)
+    tolerance = 1e-5 if interpret else 2e-2
+    np.testing.assert_allclose(got[:num_real], want, atol=tolerance, rtol=tolerance)
+
+
+def test_pallas_gpu_backend_is_refused_for_a_sliding_window_by_name():
+    with pytest.raises(ValueError, match="'pallas-gpu' cannot apply a sliding window.*'jnp'"):
+        RunnerConfig(attention="pallas-gpu").backend(sliding_window=8)
+    assert RunnerConfig(attention="pallas-gpu").backend() == "pallas-gpu"
+    assert default_backend("gpu", sliding_window=8) == "jnp"  # what "auto" picks
+    assert default_backend("gpu") == "pallas-gpu"
