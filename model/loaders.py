@@ -36,7 +36,7 @@ import numpy as np
 import safetensors
 from safetensors import safe_open
 
-from meshserve.model.config import ModelConfig
+from meshserve.model.config import ModelConfig, gguf_longrope
 
 NUMPY_DTYPES: dict[str, Any] = {
     "float32": np.float32,
@@ -87,6 +87,9 @@ def _llama_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
             "layers/attn/k/bias": (L, K, h),
             "layers/attn/v/bias": (L, K, h),
         })
+    if c.sandwich_norms:
+        shapes.update({"layers/post_attn_norm/scale": (L, D),
+                       "layers/post_mlp_norm/scale": (L, D)})
     shapes.update({
         "layers/attn/o/kernel": (L, H, h, D),
         "layers/mlp_norm/scale": (L, D),
@@ -461,8 +464,8 @@ class GGUFCheckpoint:
 
 def load_gguf(path: str | os.PathLike, *, dtype: str = "float32",
               place: Place | None = None) -> tuple[ModelConfig, Params]:
-    """Loads a llama (Mixtral too), qwen2, qwen2moe or gpt2 GGUF file into a config and canonical
-    params."""
+    """Loads a llama (Mixtral too), qwen2, qwen2moe, qwen3moe, qwen3, gemma2, gemma3, phi3 or
+    gpt2 GGUF file into a config and canonical params."""
     path = Path(path)
     require_dtype(dtype)
     reader = open_gguf(path)
@@ -475,6 +478,11 @@ def load_gguf(path: str | os.PathLike, *, dtype: str = "float32",
     if config.arch == "gpt2":
         slots = plan_slots(config, GGUF_GPT2_NAMES, gpt2_conversions(config, conv1d=False))
         params = assemble(config, slots, checkpoint, GGUF_GPT2_IGNORED.__contains__, place)
+    elif arch in GGUF_FAMILY_NAMES:
+        config = with_gguf_rope_factors(config, fields, checkpoint)
+        names, conversions = gguf_family_layout(config, arch)
+        slots = plan_slots(config, names, conversions)
+        params = assemble(config, slots, checkpoint, GGUF_FAMILY_IGNORED.__contains__, place)
     else:
         reject_rope_factors(checkpoint)
         conversions = llama_conversions(config, permuted_qk=arch == "llama")
@@ -512,15 +520,17 @@ def _read_gguf(path: Path, size: int, mtime_ns: int) -> gguf.GGUFReader:
 
 
 def gguf_metadata(reader: gguf.GGUFReader, checkpoint: GGUFCheckpoint) -> dict[str, Any]:
-    """The scalar metadata fields as plain values, plus the vocab size if the file omits it.
+    """The metadata fields as plain values, plus the vocab size if the file omits it.
 
-    Array fields (the tokenizer's tokens and merges) are skipped: they are large and the config
-    needs only their length, which the embedding's row count also gives.
+    The tokenizer's array fields (tokens, merges) are skipped: they are large and the config
+    needs only their length, which the embedding's row count also gives. Other arrays are small
+    (a sliding-window pattern, one flag per layer) and kept.
     """
     fields = {
         name: field.contents()
         for name, field in reader.fields.items()
-        if field.types and field.types[0] != gguf.GGUFValueType.ARRAY
+        if field.types and (field.types[0] != gguf.GGUFValueType.ARRAY
+                            or not name.startswith("tokenizer."))
     }
     vocab_key = f"{fields.get('general.architecture')}.vocab_size"
     embedding = GGUF_LLAMA_NAMES["embed/embedding"]
@@ -665,8 +675,8 @@ def read_bf16(header: SafetensorsHeader, name: str) -> np.ndarray:
 
 def load_hf(directory: str | os.PathLike, *, dtype: str = "float32",
             place: Place | None = None) -> tuple[ModelConfig, Params]:
-    """Loads an HF llama, qwen2, mistral, mixtral, qwen2_moe or gpt2 safetensors directory into a
-    config and params."""
+    """Loads an HF llama, qwen2, mistral, mixtral, qwen2_moe, qwen3_moe, qwen3, gemma2,
+    gemma3_text, phi3 or gpt2 safetensors directory into a config and params."""
     directory = Path(directory)
     require_dtype(dtype)
     if not directory.is_dir():
@@ -681,8 +691,7 @@ def load_hf(directory: str | os.PathLike, *, dtype: str = "float32",
             params = assemble(config, slots, checkpoint, is_hf_gpt2_extra, place)
         else:
             require_lm_head(config, checkpoint)
-            names = HF_LLAMA_NAMES | hf_moe_names(config, hf_config)
-            conversions = llama_conversions(config, permuted_qk=False) | moe_conversions(config)
+            names, conversions = hf_llama_layout(config, hf_config)
             slots = plan_slots(config, names, conversions)
             checkpoint = stacked_experts(config, slots, checkpoint)
             params = assemble(config, slots, checkpoint, hf_llama_extra(config), place)
@@ -753,6 +762,124 @@ def hf_llama_extra(config: ModelConfig) -> Callable[[str], bool]:
     """Buffers, and the head when tied (then it is a copy of the embedding)."""
     head = HF_LLAMA_NAMES["lm_head/kernel"]
     return lambda name: is_hf_buffer(name) or (config.tie_embeddings and name == head)
+
+
+# --- Dense families: Qwen3, Gemma 2 and 3, Phi-3 ----------------------------------------------
+#
+# Each family's names and conversions beyond Llama's. HF: Gemma's `post_attention_layernorm` is
+# the norm after attention (Llama's is the one before the MLP); Phi-3 fuses q, k and v into one
+# `qkv_proj` and gate and up into one `gate_up_proj` (gate first), split here by rows. GGUF
+# (llama.cpp's converter): Gemma norms are stored as 1 + w, Phi-3 keeps both fusions (`attn_qkv`,
+# `ffn_up`) and carries its LongRoPE factors as tensors; none of these permutes Q and K.
+
+HF_GEMMA_NAMES = {
+    "layers/post_attn_norm/scale": "model.layers.{i}.post_attention_layernorm.weight",
+    "layers/mlp_norm/scale": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "layers/post_mlp_norm/scale": "model.layers.{i}.post_feedforward_layernorm.weight",
+}
+HF_PHI3_NAMES = {
+    "layers/attn/q/kernel": "model.layers.{i}.self_attn.qkv_proj.weight",
+    "layers/attn/k/kernel": "model.layers.{i}.self_attn.qkv_proj.weight",
+    "layers/attn/v/kernel": "model.layers.{i}.self_attn.qkv_proj.weight",
+    "layers/mlp/gate/kernel": "model.layers.{i}.mlp.gate_up_proj.weight",
+    "layers/mlp/up/kernel": "model.layers.{i}.mlp.gate_up_proj.weight",
+}
+# Qwen3's (and Gemma 3's) q/k norms are in HF_LLAMA_NAMES and GGUF_LLAMA_NAMES already.
+HF_FAMILY_NAMES = {"gemma2": HF_GEMMA_NAMES, "gemma3_text": HF_GEMMA_NAMES,
+                   "phi3": HF_PHI3_NAMES}
+
+GGUF_GEMMA_NAMES = {
+    "layers/post_attn_norm/scale": "blk.{i}.post_attention_norm.weight",
+    "layers/post_mlp_norm/scale": "blk.{i}.post_ffw_norm.weight",
+}
+GGUF_PHI3_NAMES = {
+    "layers/attn/q/kernel": "blk.{i}.attn_qkv.weight",
+    "layers/attn/k/kernel": "blk.{i}.attn_qkv.weight",
+    "layers/attn/v/kernel": "blk.{i}.attn_qkv.weight",
+    "layers/mlp/gate/kernel": "blk.{i}.ffn_up.weight",
+    "layers/mlp/up/kernel": "blk.{i}.ffn_up.weight",
+}
+GGUF_FAMILY_NAMES = {"qwen3": {}, "gemma2": GGUF_GEMMA_NAMES, "gemma3": GGUF_GEMMA_NAMES,
+                     "phi3": GGUF_PHI3_NAMES}
+GGUF_PHI3_ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")
+# Read into the config, not the params.
+GGUF_FAMILY_IGNORED = frozenset(GGUF_PHI3_ROPE_FACTORS)
+
+
+def hf_llama_layout(config: ModelConfig, hf_config: Mapping[str, Any]
+                    ) -> tuple[dict[str, str], dict[str, Conversion]]:
+    """Tensor names and conversions of an HF llama-architecture checkpoint: Llama's, its
+    family's, and its experts' when it has them."""
+    model_type = hf_config.get("model_type", "llama")
+    names = HF_LLAMA_NAMES | HF_FAMILY_NAMES.get(model_type, {}) | hf_moe_names(config, hf_config)
+    conversions = (llama_conversions(config, permuted_qk=False) | family_conversions(config)
+                   | moe_conversions(config))
+    if model_type == "phi3":
+        conversions |= fused_conversions(config)
+    return names, conversions
+
+
+def gguf_family_layout(config: ModelConfig, arch: str
+                       ) -> tuple[dict[str, str], dict[str, Conversion]]:
+    """Tensor names and conversions of a llama.cpp GGUF of the family `arch`."""
+    names = GGUF_LLAMA_NAMES | GGUF_FAMILY_NAMES[arch]
+    conversions = llama_conversions(config, permuted_qk=False) | family_conversions(config)
+    if arch == "phi3":
+        conversions |= fused_conversions(config)
+    if arch in ("gemma2", "gemma3"):
+        conversions = {key: _less_one(conv) if _is_norm(key) else conv
+                       for key, conv in conversions.items()}
+    return names, conversions
+
+
+def family_conversions(c: ModelConfig) -> dict[str, Conversion]:
+    """The sandwich norms: vectors, kept as they are."""
+    D = c.hidden_size
+    return {
+        "layers/post_attn_norm/scale": Conversion((D,), _identity),
+        "layers/post_mlp_norm/scale": Conversion((D,), _identity),
+    }
+
+
+def fused_conversions(c: ModelConfig) -> dict[str, Conversion]:
+    """Phi-3's fused `[out, in]` weights, each canonical param taking its rows: q, k, v of
+    [(H + 2K) h, D], and gate then up of [2F, D]."""
+    D, F, H, K, h = c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim
+    qkv, gate_up = ((H + 2 * K) * h, D), (2 * F, D)
+    q_end, k_end = H * h, (H + K) * h
+    return {
+        "layers/attn/q/kernel": Conversion(qkv, _rows(0, q_end, _transposed_reshaped(D, H, h))),
+        "layers/attn/k/kernel": Conversion(qkv, _rows(q_end, k_end,
+                                                      _transposed_reshaped(D, K, h))),
+        "layers/attn/v/kernel": Conversion(qkv, _rows(k_end, qkv[0],
+                                                      _transposed_reshaped(D, K, h))),
+        "layers/mlp/gate/kernel": Conversion(gate_up, _rows(0, F, _transposed)),
+        "layers/mlp/up/kernel": Conversion(gate_up, _rows(F, 2 * F, _transposed)),
+    }
+
+
+def _rows(start: int, stop: int, then: Convert) -> Convert:
+    return lambda w: then(w[start:stop])
+
+
+def _is_norm(key: str) -> bool:
+    return key.endswith("norm/scale")
+
+
+def _less_one(conversion: Conversion) -> Conversion:
+    """llama.cpp stores Gemma's norm weights as 1 + w; the canonical layout keeps w."""
+    return Conversion(conversion.source_shape, lambda w: conversion.convert(w) - 1.0)
+
+
+def with_gguf_rope_factors(config: ModelConfig, fields: Mapping[str, Any],
+                           checkpoint: "GGUFCheckpoint") -> ModelConfig:
+    """Phi-3's LongRoPE, whose factors a GGUF carries as two tensors."""
+    short, long = GGUF_PHI3_ROPE_FACTORS
+    if short not in checkpoint.names:
+        return config
+    scaling = gguf_longrope(fields, checkpoint.read(short).reshape(-1),
+                            checkpoint.read(long).reshape(-1))
+    return config.replace(rope_scaling=scaling)
 
 
 # --- Dispatch ---------------------------------------------------------------------------------
