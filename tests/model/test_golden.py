@@ -23,7 +23,8 @@ from meshserve.model.transformer import model_from_params
 from meshserve.serving.generate import generate_greedy
 from tests.model.paged import PagedStepper
 
-TINY_MODELS = ["tiny-llama", "tiny-llama3-rope", "tiny-qwen2", "tiny-gpt2", "tiny-qwen3"]
+TINY_MODELS = ["tiny-llama", "tiny-llama3-rope", "tiny-qwen2", "tiny-gpt2",
+               "tiny-qwen3", "tiny-gemma2"]
 
 
 @pytest.fixture(scope="module", params=TINY_MODELS)
