@@ -24,7 +24,7 @@ from meshserve.serving.generate import generate_greedy
 from tests.model.paged import PagedStepper
 
 TINY_MODELS = ["tiny-llama", "tiny-llama3-rope", "tiny-qwen2", "tiny-gpt2",
-               "tiny-qwen3", "tiny-gemma2", "tiny-gemma3"]
+               "tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-phi3"]
 
 
 @pytest.fixture(scope="module", params=TINY_MODELS)
