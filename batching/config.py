@@ -144,6 +144,10 @@ class SchedulerConfig(SchedulingKnobs):
     step's buckets): a prefill chunk is then cut so that the step's tokens land on the bucket
     below, when that is nearer than the bucket above (`fit_step_bucket`). The cut-off tokens run
     next step, beside decodes that run anyway; padding up would compute more slots than that.
+
+    `attention_window`, when not 0, is a sliding window every layer of the model keeps to (a
+    query sees that many keys, its own included): a request's pages wholly behind the window of
+    its next token are never read again, so they go back to the pool as it advances.
     """
 
     token_buckets: tuple[int, ...] | None = None
@@ -151,12 +155,16 @@ class SchedulerConfig(SchedulingKnobs):
     bound_padded_prefill: bool = True
     num_replicas: int = 1
     step_buckets: tuple[int, ...] | None = None
+    attention_window: int = 0
 
     def __post_init__(self):
         if self.max_model_len is None:
             raise ValueError("max_model_len must be an int >= 1, got None")
         if not _is_int(self.num_replicas) or self.num_replicas < 1:
             raise ValueError(f"num_replicas must be an int >= 1, got {self.num_replicas!r}")
+        if not _is_int(self.attention_window) or self.attention_window < 0:
+            raise ValueError(f"attention_window must be an int >= 0, got "
+                             f"{self.attention_window!r}")
         super().__post_init__()
         self._normalise_buckets()
         eos = tuple(self.eos_token_ids)

@@ -77,6 +77,8 @@ class Request:
     replica: int = 0  # the data-parallel replica whose pages it holds (set on admission)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first admission
     num_registered_pages: int = 0  # leading `pages` keyed in the prefix cache (or found there)
+    num_released_pages: int = 0  # leading `pages` behind the attention window, given back
+    # (their places in `pages` hold the dummy page 0)
     page_keys: list[bytes] = dataclasses.field(default_factory=list, repr=False)  # see below
     # Set by a scheduler with a length predictor, when the request is added:
     length_features: LengthFeatures | None = dataclasses.field(default=None, repr=False)

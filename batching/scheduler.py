@@ -24,6 +24,11 @@ new tokens go to new pages, so a shared page is never written. Requests asking f
 logprobs skip the lookup: they need every prompt token computed. A request's pages are released
 last page first, so under pressure a prefix's tail is evicted before its head.
 
+Sliding windows (`attention_window`, when every layer of the model keeps to one): after each
+step a request's pages wholly behind the window of its next token are freed (cached, if keyed),
+since no query of its will read them again; their places in its page list hold the dummy page,
+so page indices stay positions // page_size. `num_window_freed_pages` counts them.
+
 Data parallelism (`num_replicas` > 1): every replica has its own page pool (and prefix cache),
 seats, and token budget, each sized as one replica's `num_pages`, `max_num_seqs` and
 `max_num_batched_tokens`. The waiting queue is shared; the policy places a request on a replica
@@ -46,7 +51,7 @@ from meshserve.batching.config import POLICY_NAMES, SchedulerConfig
 from meshserve.batching.continuous import ContinuousPolicy
 from meshserve.batching.length import LengthPredictor, PriorPredictor, extract_features
 from meshserve.batching.ordering import make_ordering
-from meshserve.batching.pages import PageAllocator, num_pages_for
+from meshserve.batching.pages import DUMMY_PAGE, PageAllocator, num_pages_for
 from meshserve.batching.plan import StepPlan, build_plan
 from meshserve.batching.policy import Policy
 from meshserve.batching.request import Request, RequestStatus, stop_status
@@ -103,6 +108,7 @@ class Scheduler:
         self._num_cached_tokens = 0
         self.constraint_seconds = 0.0  # host time advancing matchers and computing their masks
         self.num_constraint_advances = 0
+        self.num_window_freed_pages = 0  # pages given back behind a sliding window, in all
         self._policy: Policy = _POLICIES[config.policy](config, self.ordering)
 
     @property
@@ -175,6 +181,7 @@ class Scheduler:
             assert request.status is RequestStatus.RUNNING, request.status
             request.num_computed_tokens += row.num_new
             self._register_full_pages(request)
+            self._release_behind_window(request)
             if row.is_sampled:
                 self._append_output(request, int(tokens[row.batch][row.row]))
                 touched.append(request)
@@ -337,9 +344,27 @@ class Scheduler:
     def _release_pages(self, request: Request) -> None:
         """Last page first: cached pages are evicted least recently released first, so a
         prefix's tail goes before its head, which more requests share."""
-        self.allocators[request.replica].free(reversed(request.pages))
+        held = request.pages[request.num_released_pages:]
+        self.allocators[request.replica].free(reversed(held))
         request.pages = []
         request.num_registered_pages = 0
+        request.num_released_pages = 0
+
+    def _release_behind_window(self, request: Request) -> None:
+        """Frees the request's pages wholly behind the window of its next token (at position
+        `num_computed_tokens`, which sees keys from there - window + 1 on)."""
+        window = self.config.attention_window
+        if not window:
+            return
+        first_key = request.num_computed_tokens - window + 1
+        num_behind = max(first_key, 0) // self.config.page_size
+        start = request.num_released_pages
+        if num_behind <= start:
+            return
+        self.allocators[request.replica].free(reversed(request.pages[start:num_behind]))
+        request.pages[start:num_behind] = [DUMMY_PAGE] * (num_behind - start)
+        request.num_released_pages = num_behind
+        self.num_window_freed_pages += num_behind - start
 
     def _register_full_pages(self, request: Request) -> None:
         """Keys the request's newly full, computed pages in its replica's prefix cache."""

@@ -104,13 +104,14 @@ class EngineConfig(SchedulingKnobs):
         stages = self.mesh_config.stage
         return self.max_num_seqs + stages + 2 * (stages - 1)
 
-    def scheduler_config(self, eos_token_ids: Sequence[int], *,
-                         num_replicas: int = 1) -> SchedulerConfig:
-        """The scheduling knobs as they are, and what this engine settles: EOS ids, replicas and
-        how prefill chunks are cut."""
+    def scheduler_config(self, eos_token_ids: Sequence[int], *, num_replicas: int = 1,
+                         attention_window: int = 0) -> SchedulerConfig:
+        """The scheduling knobs as they are, and what this engine settles: EOS ids, replicas,
+        how prefill chunks are cut, and the model's attention window (pages behind it are
+        freed)."""
         knobs = {f.name: getattr(self, f.name) for f in dataclasses.fields(SchedulingKnobs)}
         return SchedulerConfig(**knobs, **self._chunking(), eos_token_ids=tuple(eos_token_ids),
-                               num_replicas=num_replicas)
+                               num_replicas=num_replicas, attention_window=attention_window)
 
     def _chunking(self) -> dict[str, Any]:
         """How the scheduler cuts prefill chunks for this engine's runner. The ragged step pads

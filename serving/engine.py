@@ -66,8 +66,10 @@ class Engine:
         self.model, self.model_config, self.runner = model, runner.model_config, runner
         eos = (tokenizer.eos_token_ids if tokenizer is not None
                else runner.model_config.eos_token_ids)
-        self.scheduler = Scheduler(config.scheduler_config(eos, num_replicas=runner.num_replicas),
-                                   predictor=config.make_length_predictor())
+        self.scheduler = Scheduler(
+            config.scheduler_config(eos, num_replicas=runner.num_replicas,
+                                    attention_window=runner.model_config.attention_window),
+            predictor=config.make_length_predictor())
         self._streams: dict[str, Stream] = {}
         self._ids = itertools.count()
         self._grammars: GrammarCompiler | None = None

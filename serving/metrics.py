@@ -38,6 +38,9 @@ Counters:
     meshserve:num_preemptions_total         requests sent back to the queue for want of KV pages
     meshserve:prefix_cache_hits_total       tokens found in the prefix cache on admission, so
                                             not computed
+    meshserve:kv_cache_window_freed_pages_total  KV pages given back to the pool because every
+                                            layer's sliding window had passed them (models whose
+                                            layers all slide: Mistral, Phi-3)
     meshserve:prompt_tokens_total           prompt tokens of each request, counted at its first
                                             output token (recomputation after preemption is not
                                             counted again)
@@ -145,6 +148,8 @@ class ServerMetrics:
         self.num_preemptions = counter("num_preemptions", "Requests preempted for KV pages.")
         self.prefix_cache_hits = counter("prefix_cache_hits",
                                          "Tokens found in the prefix cache, not computed.")
+        self.window_freed_pages = counter(
+            "kv_cache_window_freed_pages", "KV pages freed behind every layer's sliding window.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started.")
         self.generation_tokens = counter("generation_tokens", "Output tokens produced.")
         self.recompiles = counter("recompiles", "Programs compiled after warm-up.")
@@ -163,6 +168,7 @@ class ServerMetrics:
         self._num_steps = 0  # engine counters as of the previous observe_step
         self._num_preemptions = 0
         self._num_cached_tokens = 0
+        self._num_window_freed = 0
         self._compiles = 0
         self._broadcast_seconds = 0.0
         self._http: tuple | None = None  # (server, thread) of start_http_server
@@ -182,6 +188,8 @@ class ServerMetrics:
                                             scheduler.num_preemptions)
         self._num_cached_tokens = _add_growth(self.prefix_cache_hits, self._num_cached_tokens,
                                               scheduler.num_cached_tokens)
+        self._num_window_freed = _add_growth(self.window_freed_pages, self._num_window_freed,
+                                             scheduler.num_window_freed_pages)
         self._compiles = _add_growth(self.recompiles, self._compiles, stats.compiles_after_warmup)
         channel = engine.runner.channel
         if channel is not None:

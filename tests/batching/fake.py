@@ -26,23 +26,30 @@ VOCAB = 97
 EMPTY = -1
 
 
-def next_token(context: Sequence[int]) -> int:
-    """The arithmetic rule: last token and position, plus a weighted sum of the whole context."""
-    weighted = sum((i + 1) * t for i, t in enumerate(context))
+def next_token(context: Sequence[int], window: int = 0) -> int:
+    """The arithmetic rule: last token and position, plus a weighted sum of the whole context,
+    or of its last `window` tokens (a sliding window; those before it count as 0)."""
+    start = max(len(context) - window, 0) if window else 0
+    weighted = sum((i + 1) * context[i] for i in range(start, len(context)))
     return (context[-1] * 7 + len(context) - 1 + weighted) % VOCAB
 
 
-def reference_outputs(prompt: Sequence[int], max_tokens: int) -> list[int]:
+def reference_outputs(prompt: Sequence[int], max_tokens: int, window: int = 0) -> list[int]:
     """What the rule generates for `prompt` alone, with no stop but max_tokens."""
     context = list(prompt)
     for _ in range(max_tokens):
-        context.append(next_token(context))
+        context.append(next_token(context, window))
     return context[len(prompt):]
 
 
 class FakeRunner:
-    def __init__(self, *, num_pages: int, page_size: int, num_replicas: int = 1):
+    """`window`: each row reads only its last `window` tokens back, as a model whose every
+    layer slides does, and never touches the pages before them."""
+
+    def __init__(self, *, num_pages: int, page_size: int, num_replicas: int = 1,
+                 window: int = 0):
         self.page_size = page_size
+        self.window = window
         self.kv = np.full((num_replicas, num_pages, page_size), EMPTY, np.int64)
 
     def run(self, plan: StepPlan) -> list[np.ndarray]:
@@ -62,7 +69,7 @@ class FakeRunner:
                 continue
             kv = self.kv[replicas[r]]
             self._write(kv, batch, r)
-            out[r] = next_token(self._read(kv, batch, r))
+            out[r] = next_token(self._read(kv, batch, r), self.window)
         return out
 
     def _write(self, kv: np.ndarray, batch: SubBatchPlan, r: int) -> None:
@@ -71,8 +78,10 @@ class FakeRunner:
             kv[page, slot] = batch.tokens[r, j]
 
     def _read(self, kv: np.ndarray, batch: SubBatchPlan, r: int) -> list[int]:
-        context = [int(kv[self._slot(batch.page_table[r], pos)])
-                   for pos in range(batch.kv_lens[r])]
+        length = int(batch.kv_lens[r])
+        start = max(length - self.window, 0) if self.window else 0
+        context = [0] * start + [int(kv[self._slot(batch.page_table[r], pos)])
+                                 for pos in range(start, length)]
         assert EMPTY not in context, "a row read KV that was never written"
         return context
 

@@ -40,9 +40,12 @@ def top_logprobs(token: int, count: int) -> list[float]:
 
 
 class FakeModelRunner:
-    def __init__(self, config: EngineConfig):
+    """`window`: the model's every layer slides over that many keys; rows read only those
+    (`FakeRunner`), and the engine frees the pages behind them."""
+
+    def __init__(self, config: EngineConfig, *, window: int = 0):
         settled = config.for_model(MODEL)
-        self.model_config = MODEL
+        self.model_config = MODEL.replace(sliding_window=window)
         self.config = settled.runner_config()
         self.num_replicas = settled.mesh_config.data
         self.attention = "arithmetic"
@@ -51,7 +54,7 @@ class FakeModelRunner:
         self.channel = None
         self.num_executed = 0
         self._cache = FakeRunner(num_pages=self.config.num_pages, page_size=self.config.page_size,
-                                 num_replicas=self.num_replicas)
+                                 num_replicas=self.num_replicas, window=window)
 
     def warmup(self, *, progress: bool = True) -> list[tuple[int, ...]]:
         return []  # nothing to compile

@@ -16,6 +16,7 @@ from meshserve.serving.config import EngineConfig
 from meshserve.serving.engine import Engine
 from meshserve.serving.metrics import FINISHED_REASONS, REJECTED_REASONS, ServerMetrics
 from tests.conftest import random_params
+from tests.serving.fake_runner import FakeModelRunner, reference_outputs
 
 SMALL = dict(num_pages=64, page_size=16, max_num_seqs=2, max_num_batched_tokens=32,
              prefill_chunk=16, max_model_len=128, max_logprobs=5, warmup=False,
@@ -32,7 +33,7 @@ GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
           "kv_cache_reserved_unused_pages", "prefill_padding_ratio", "decode_padding_ratio",
           "stage_utilisation")
 COUNTERS = ("num_preemptions_total", "prefix_cache_hits_total", "prompt_tokens_total",
-            "generation_tokens_total",
+            "generation_tokens_total", "kv_cache_window_freed_pages_total",
             "recompiles_total", "request_success_total", "requests_rejected_total")
 
 
@@ -191,3 +192,25 @@ def test_http_endpoint_serves_the_registry():
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
     metrics.stop_http_server()  # a second stop is harmless
+
+
+def test_pages_freed_behind_a_sliding_window_are_counted():
+    """An engine over a model whose every layer slides over 6 keys (the arithmetic runner, which
+    reads only those): each request keeps 2-3 pages of 4 however long it grows, and the pages it
+    gave back are counted."""
+    config = EngineConfig(**CRAMPED | dict(num_pages=16, max_model_len=64))
+    engine = Engine(FakeModelRunner(config, window=6), None, config)
+    metrics = ServerMetrics("tiny")
+    prompts = [[(seed + 5 * i) % 97 for i in range(8)] for seed in range(2)]
+    ids = [engine.add_request(prompt, _greedy(40)) for prompt in prompts]
+    outputs = {}
+    while engine.has_unfinished():
+        for out in _step(engine, metrics):
+            outputs[out.request_id] = out.outputs[0].token_ids
+        assert engine.scheduler.kv_usage().num_used_pages <= 2 * 3
+    for request_id, prompt in zip(ids, prompts):
+        assert outputs[request_id] == reference_outputs(prompt, 40, window=6)
+    freed = engine.scheduler.num_window_freed_pages
+    assert freed == 2 * ((8 + 39 - 6 + 1) // 4)  # 47 cached tokens each, 5 keys still read
+    assert _value(metrics, "kv_cache_window_freed_pages_total") == freed
+    assert engine.scheduler.num_preemptions == 0  # 2 x 12 pages would not fit in 15
