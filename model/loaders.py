@@ -7,7 +7,8 @@
   weights are stacked on a leading layer axis;
 - kernels are laid out input first (`[D, H, h]`, `[F, D]`, ...), never as HF's `[out, in]`;
 - Q and K follow HF's rotate_half RoPE layout: GGUF llama files, whose Q and K rows llama.cpp
-  permutes for its interleaved RoPE, are un-permuted here (qwen2 GGUF files are not permuted);
+  permutes for its interleaved RoPE, are un-permuted here (qwen2, qwen3, gemma2, gemma3 and phi3
+  GGUF files are not permuted);
 - every array has the requested dtype and is finite: each is checked as it is assembled, and
   `check_params` checks the key set and shapes before a loader returns.
 
