@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from meshserve.model.checkpoint import config_from_json, config_to_json
 from meshserve.model.config import ModelConfig
 from meshserve.model.loaders import load_gguf, load_hf
 from meshserve.model.transformer import model_from_params
@@ -83,6 +84,12 @@ def test_phi3_config_reads_the_same_in_transformers_5_spelling(golden_dir):
     v5 = {key: value for key, value in v4.items()
           if key not in ("rope_scaling", "rope_theta", "partial_rotary_factor")}
     assert ModelConfig.from_hf(v5 | {"rope_parameters": rope}) == ModelConfig.from_hf(v4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_configs_round_trip_through_a_checkpoint_config(family, golden_dir):
+    config = ModelConfig.from_hf(_hf_config(golden_dir, family)).for_context(64)
+    assert config_from_json(config_to_json(config)) == config
 
 
 def test_qwen3_sliding_window_follows_use_sliding_window(golden_dir):
