@@ -510,16 +510,27 @@ def _from_hf_qwen3(hf: Mapping[str, Any]) -> ModelConfig:
     return _from_hf_llama(hf).replace(qk_norm=True, mlp_activation=_hf_activation(hf, "silu"))
 
 
+# HF's defaults for keys a Gemma config.json may leave out: Gemma2Config's and
+# Gemma3TextConfig's class defaults.
+GEMMA_DEFAULTS = {
+    "gemma2": dict(query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+                   final_logit_softcapping=30.0, sliding_window=4096),
+    "gemma3_text": dict(query_pre_attn_scalar=256, attn_logit_softcapping=None,
+                        final_logit_softcapping=None, sliding_window=4096),
+}
+
+
 def _gemma_switches(hf: Mapping[str, Any]) -> dict[str, Any]:
     """What Gemma 2 and 3 share: the (1 + w) norm, GeGLU, sandwich norms, scaled embeddings,
     soft-capping and the query scale."""
     _require_causal(hf)
+    hf = GEMMA_DEFAULTS[hf["model_type"]] | dict(hf)
     return dict(
         norm_kind="rms_one_plus", mlp_activation=_hf_activation(hf, "gelu_pytorch_tanh"),
         sandwich_norms=True, scale_embeddings=True,
-        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or 0),
-        attn_logit_softcap=float(hf.get("attn_logit_softcapping") or 0),
-        final_logit_softcap=float(hf.get("final_logit_softcapping") or 0))
+        query_pre_attn_scalar=float(hf["query_pre_attn_scalar"] or 0),
+        attn_logit_softcap=float(hf["attn_logit_softcapping"] or 0),
+        final_logit_softcap=float(hf["final_logit_softcapping"] or 0))
 
 
 def _from_hf_gemma2(hf: Mapping[str, Any]) -> ModelConfig:
@@ -544,7 +555,8 @@ def _from_hf_gemma3(hf: Mapping[str, Any]) -> ModelConfig:
 def _gemma_window(hf: Mapping[str, Any], *, period: int) -> dict[str, Any]:
     """The window and which layers use it: HF's `layer_types`, else its default, every
     `period`-th layer full and the others sliding."""
-    window = int(hf.get("sliding_window") or 0)
+    window = int(hf.get("sliding_window", GEMMA_DEFAULTS[hf["model_type"]]["sliding_window"])
+                 or 0)
     if hf.get("layer_types") is not None:
         return window_fields(window, _layer_types(hf["layer_types"]))
     types = tuple("full" if (i + 1) % period == 0 else "sliding"

@@ -66,6 +66,17 @@ def test_each_family_config_turns_on_its_switches(golden_dir):
     assert phi3.attention_window == 8 and gemma3.attention_window == 0
 
 
+@pytest.mark.parametrize("family, want", [("tiny-gemma2", (256, 50.0, 30.0, 4096)),
+                                          ("tiny-gemma3", (256, 0.0, 0.0, 4096))])
+def test_gemma_keys_left_out_take_hf_defaults(family, want, golden_dir):
+    left_out = ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                "sliding_window")
+    hf = {k: v for k, v in _hf_config(golden_dir, family).items() if k not in left_out}
+    config = ModelConfig.from_hf(hf)
+    assert (config.query_pre_attn_scalar, config.attn_logit_softcap,
+            config.final_logit_softcap, config.sliding_window) == want
+
+
 def test_gemma3_config_reads_the_same_in_transformers_4_spelling(golden_dir):
     """The golden config.json is transformers 5's (rope_parameters per layer type,
     layer_types); hub checkpoints carry transformers 4's keys for the same model."""
