@@ -76,28 +76,41 @@ def config_to_json(config: ModelConfig) -> str:
 
 
 def config_from_json(text: str) -> ModelConfig:
-    """The `ModelConfig` that `config_to_json` wrote. Unknown or missing fields are refused."""
+    """The `ModelConfig` that `config_to_json` wrote. Unknown fields, and missing fields that
+    have no default, are refused. A field added since the file was written (the family
+    switches, `moe`, LongRoPE's factors) takes its default, Llama's behaviour, so checkpoints
+    saved before it existed still load as what they were."""
     data = json.loads(text)
     if not isinstance(data, dict):
         raise ValueError("a model config must be a JSON object")
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    unknown = sorted(set(data) - known)
-    missing = sorted(known - set(data))
-    if unknown or missing:
-        raise ValueError(f"model config fields do not match ModelConfig: unknown {unknown}, "
-                         f"missing {missing}")
-    scaling = data["rope_scaling"]
-    scaling_fields = {f.name for f in dataclasses.fields(RopeScaling)}
-    if not isinstance(scaling, dict) or set(scaling) != scaling_fields:
-        raise ValueError(f"rope_scaling must be an object with fields {sorted(scaling_fields)}, "
-                         f"got {scaling!r}")
-    moe = data["moe"]
+    _check_fields(ModelConfig, data, "model config")
+    scaling = data.get("rope_scaling", {})
+    if not isinstance(scaling, dict):
+        raise ValueError(f"rope_scaling must be an object of RopeScaling fields, got {scaling!r}")
+    _check_fields(RopeScaling, scaling, "rope_scaling")
+    moe = data.get("moe")
+    if moe is not None:
+        if not isinstance(moe, dict):
+            raise ValueError(f"moe must be null or an object of MoeConfig fields, got {moe!r}")
+        _check_fields(MoeConfig, moe, "moe")
     try:
         scaling = RopeScaling(**_tuples(scaling))
         return ModelConfig(**(_tuples(data) | {"rope_scaling": scaling,
                                                "moe": None if moe is None else MoeConfig(**moe)}))
     except TypeError as err:
         raise ValueError(f"a model config field has the wrong type: {err}") from None
+
+
+def _check_fields(cls: type, data: Mapping[str, Any], what: str) -> None:
+    """Refuses fields `cls` does not have, and missing ones that have no default."""
+    fields = dataclasses.fields(cls)
+    required = {f.name for f in fields if f.default is dataclasses.MISSING
+                and f.default_factory is dataclasses.MISSING}
+    unknown = sorted(set(data) - {f.name for f in fields})
+    missing = sorted(required - set(data))
+    if unknown or missing:
+        raise ValueError(f"{what} fields do not match {cls.__name__}: unknown {unknown}, "
+                         f"missing {missing}")
 
 
 def _tuples(fields: dict) -> dict:

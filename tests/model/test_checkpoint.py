@@ -106,9 +106,29 @@ def test_config_json_refuses_unknown_missing_and_mistyped_fields():
     with pytest.raises(ValueError, match=r"missing \['vocab_size'\]"):
         config_from_json(json.dumps({k: v for k, v in data.items() if k != "vocab_size"}))
     with pytest.raises(ValueError, match="rope_scaling must be an object"):
-        config_from_json(json.dumps(data | {"rope_scaling": {"rope_type": "linear"}}))
+        config_from_json(json.dumps(data | {"rope_scaling": "linear"}))
+    with pytest.raises(ValueError, match=r"rope_scaling fields .* unknown \['scale'\]"):
+        config_from_json(json.dumps(data | {"rope_scaling": {"scale": 2.0}}))
+    with pytest.raises(ValueError, match=r"moe fields .* missing \['experts_per_token'"):
+        config_from_json(json.dumps(data | {"moe": {"num_experts": 4}}))
     with pytest.raises(ValueError, match="wrong type"):
         config_from_json(json.dumps(data | {"num_layers": "two"}))
+
+
+# What config_to_json wrote before the family switches, `moe` and LongRoPE's factors existed.
+CONFIG_JSON_BEFORE_FAMILIES = """{"name": "tiny-llama", "arch": "llama", "vocab_size": 512,
+"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+"head_dim": 16, "max_position_embeddings": 1024, "rope_theta": 10000.0, "rope_scaling":
+{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+"original_max_position_embeddings": 8192}, "norm_eps": 1e-05, "tie_embeddings": false,
+"qkv_bias": false, "dtype": "float32", "bos_token_id": null, "eos_token_ids": [1]}"""
+
+
+def test_config_json_written_before_the_family_fields_loads_with_llamas_defaults():
+    config = config_from_json(CONFIG_JSON_BEFORE_FAMILIES)
+    assert config == TINY.replace(rope_scaling=RopeScaling(rope_type="llama3", factor=8.0))
+    assert config.moe is None and not config.qk_norm and config.norm_kind == "rms"
+    assert config.sliding_layers == (False, False) and config.rotary_dim == config.head_dim
 
 
 # -- round trips ---------------------------------------------------------------------------------
