@@ -315,11 +315,16 @@ def _hf_rope(hf: Mapping[str, Any], section: str | None = None) -> tuple[float, 
     return float(hf.get("rope_theta", 10000.0)), _rope_scaling_from_hf(hf.get("rope_scaling"))
 
 
+# Qwen configs carry a `sliding_window` that applies only with `use_sliding_window` (Qwen1.5-MoE
+# ships 32768 with it off).
+QWEN_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+
+
 def _hf_sliding(hf: Mapping[str, Any]) -> dict[str, Any]:
-    """Mistral's window (every layer), or Qwen2's and Qwen3's (`use_sliding_window`: layers from
+    """Mistral's window (every layer), or the Qwen families' (`use_sliding_window`: layers from
     `max_window_layers` on), or the per-layer `layer_types` a transformers 5 config spells out."""
     window = hf.get("sliding_window") or 0
-    if hf.get("model_type") in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+    if hf.get("model_type") in QWEN_TYPES and not hf.get("use_sliding_window", False):
         window = 0
     if not window:
         return {}

@@ -103,14 +103,15 @@ def test_family_configs_round_trip_through_a_checkpoint_config(family, golden_di
     assert config_from_json(config_to_json(config)) == config
 
 
-def test_qwen3_sliding_window_follows_use_sliding_window(golden_dir):
+@pytest.mark.parametrize("family", ["tiny-qwen3", "tiny-qwen2-moe", "tiny-qwen3-moe"])
+def test_qwen_sliding_window_follows_use_sliding_window(family, golden_dir):
     """As HF: off unless use_sliding_window, then on from layer max_window_layers (a hub
     config.json has no layer_types)."""
-    hf = {key: value for key, value in _hf_config(golden_dir, "tiny-qwen3").items()
+    hf = {key: value for key, value in _hf_config(golden_dir, family).items()
           if key != "layer_types"} | {"sliding_window": 8, "max_window_layers": 1}
     assert ModelConfig.from_hf(hf).sliding_window == 0  # use_sliding_window is false
     windowed = ModelConfig.from_hf(hf | {"use_sliding_window": True})
-    assert windowed.layer_types == ("full", "sliding", "sliding")
+    assert windowed.layer_types == ("full",) + ("sliding",) * (hf["num_hidden_layers"] - 1)
 
 
 @pytest.mark.parametrize("hf, message", [
