@@ -32,8 +32,9 @@ from meshserve.sharding.hlo import Hlo
 from meshserve.sharding.layout import prepare
 from meshserve.sharding.rules import DEFAULT_RULES, ShardingRules
 
-ENGINE = dict(num_pages=32, page_size=16, max_num_seqs=4, max_num_batched_tokens=32,
-              prefill_chunk=32, max_model_len=64, max_logprobs=1, warmup=False,
+# A 4-token budget: three compiled programs (1, 2 and 4 token slots) serve every step.
+ENGINE = dict(num_pages=32, page_size=16, max_num_seqs=4, max_num_batched_tokens=4,
+              prefill_chunk=4, max_model_len=64, max_logprobs=1, warmup=False,
               compilation_cache=False)
 EXPERT_WIDTH_RULES = ShardingRules({**DEFAULT_RULES.table, "expert": None,
                                     "expert_ffw": "model"})
@@ -71,48 +72,50 @@ def _assert_matches_hf(outputs, cases) -> None:
         np.testing.assert_allclose(got, case["greedy_logprobs"], atol=2e-3)
 
 
-# Qwen2-MoE runs on its mesh only (below), which compares it with HF the same way: each run
-# compiles about five programs.
+# One device, for one family: Qwen2-MoE and Qwen3-MoE run on their meshes only (below), which
+# compare them with HF the same way, alone, batched and from the prefix cache.
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["tiny-mixtral", "tiny-qwen3-moe"])
-def test_engine_gives_hf_greedy_tokens_alone_batched_and_from_the_prefix_cache(golden_dir,
-                                                                                 family):
-    model, golden = _golden(golden_dir, family)
+def test_engine_gives_hf_greedy_tokens_alone_batched_and_from_the_prefix_cache(golden_dir):
+    model, golden = _golden(golden_dir, "tiny-mixtral")
     outputs = _serve(Engine.from_model(model, None, EngineConfig(**ENGINE)), golden["cases"])
     _assert_matches_hf(outputs, golden["cases"])
     assert [out.num_cached_tokens for out in outputs] == [0, 0, 16, 0]
 
 
+# (family, mesh, rules, tokens prompt 2 finds in the prefix cache): with two data replicas it is
+# placed on the other replica than prompt 1, whose cache is its own.
 MESHES = [
-    ("tiny-mixtral", "model=2", DEFAULT_RULES),  # expert parallel
-    ("tiny-qwen2-moe", "model=4", EXPERT_WIDTH_RULES),  # tensor parallel, kv heads padded
-    ("tiny-qwen3-moe", "data=2,model=2", DEFAULT_RULES),
-    ("tiny-qwen3-moe", "stage=2,model=2", DEFAULT_RULES),  # experts split inside each stage
+    ("tiny-mixtral", "model=2", DEFAULT_RULES, 16),  # expert parallel
+    ("tiny-qwen2-moe", "model=4", EXPERT_WIDTH_RULES, 16),  # tensor parallel, kv heads padded
+    ("tiny-qwen3-moe", "data=2,model=2", DEFAULT_RULES, 0),
+    ("tiny-qwen3-moe", "stage=2,model=2", DEFAULT_RULES, 16),  # experts split in each stage
 ]
 
 
 @pytest.fixture(scope="module", params=MESHES, ids=lambda m: f"{m[0]}-{m[1]}")
 def mesh_engine(request, golden_dir):
-    family, mesh, rules = request.param
+    family, mesh, rules, cached = request.param
     model, golden = _golden(golden_dir, family)
     config = EngineConfig(mesh=mesh, **ENGINE)
     if rules is DEFAULT_RULES:
-        return Engine.from_model(model, None, config), golden, rules
+        return Engine.from_model(model, None, config), golden, rules, cached
     prepared = prepare(model, config.mesh_config, rules=rules)
     runner = ModelRunner(prepared.model, config.for_model(model.config).runner_config(),
                          prepared.layout)
-    return Engine.from_model(prepared.model, None, config, runner=runner), golden, rules
+    return Engine.from_model(prepared.model, None, config, runner=runner), golden, rules, cached
 
 
 @pytest.mark.slow
 def test_meshes_give_hf_greedy_tokens(mesh_engine):
-    engine, golden, _ = mesh_engine
-    _assert_matches_hf(_serve(engine, golden["cases"]), golden["cases"])
+    engine, golden, _, cached = mesh_engine
+    outputs = _serve(engine, golden["cases"])
+    _assert_matches_hf(outputs, golden["cases"])
+    assert [out.num_cached_tokens for out in outputs] == [0, 0, cached, 0]
 
 
 @pytest.mark.slow
 def test_compiled_step_keeps_experts_apart_and_exchanges_tokens_once_per_layer(mesh_engine):
-    engine, _, rules = mesh_engine
+    engine, _, rules, _ = mesh_engine
     runner = engine.runner
     if not isinstance(runner, ModelRunner):
         pytest.skip("a pipeline's one call is read in tests/serving/test_pipeline.py")
