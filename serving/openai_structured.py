@@ -312,11 +312,12 @@ def _with_argument_values(message: dict) -> dict:
 
 
 def _as_text(message: dict) -> dict:
-    """A message with only role and content: its tool calls written after its content."""
+    """A message with only role, content (its tool calls written after it) and name."""
     content = message["content"]
     if "tool_calls" in message:
         content = (content + "\n" if content else "") + calls_as_text(message["tool_calls"])
-    return {"role": message["role"], "content": content}
+    named = {"name": message["name"]} if "name" in message else {}
+    return {"role": message["role"], "content": content} | named
 
 
 def calls_as_text(calls: list) -> str:
