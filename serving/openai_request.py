@@ -136,6 +136,15 @@ def _prompt(name: str, value: Any, endpoint: str) -> tuple[str, str | list[int]]
                              f"{_shown(value)}")
 
 
+def read_messages(messages: Any) -> list[dict]:
+    """Chat messages read as the chat endpoint reads them; ValueError naming the message and key
+    at fault (the Python API's `LLM.chat`)."""
+    try:
+        return _messages("messages", messages, "chat")
+    except RequestError as err:
+        raise ValueError(err.message) from None
+
+
 def _messages(name: str, value: Any, endpoint: str) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise RequestError(name, "messages must be a non-empty list of {role, content}")
