@@ -10,7 +10,8 @@ Two layers:
 
   `GuardedH11Protocol`, uvicorn's h11 connection protocol with three answers where uvicorn would
   drop the connection or answer in plain text:
-    - a request head over `max_header_bytes` is 431 (uvicorn: a plain-text 400, then a reset),
+    - a request head over `max_header_bytes` is 431 (uvicorn: a plain-text 400, then a reset;
+      or, for a head that arrives whole, no limit at all),
       one that is not HTTP a 400 in OpenAI's JSON; either is one info line naming the client
       (uvicorn's warning, which does not, is dropped);
     - a connection past `max_connections` is 503 with `Retry-After`;
@@ -210,19 +211,36 @@ class GuardedH11Protocol(H11Protocol):
         if self._is_lingering:
             self._last_data = self.loop.time()  # read and dropped
             return
+        if self.conn.their_state is h11.IDLE and self._head_size(data) > self._max_head:
+            self._refuse_head(431)
+            return
         super().data_received(data)
 
-    def send_400_response(self, msg: str) -> None:
-        """h11 refused the request head: too large (431), or not HTTP (400). One info line
-        names the client (uvicorn's own line about it is dropped, `_drop_uvicorn_invalid`)."""
+    @property
+    def _max_head(self) -> int:
+        return self.config.h11_max_incomplete_event_size
+
+    def _head_size(self, data: bytes) -> int:
+        """How long the request head that `data` adds to is, as far as it has come. h11 bounds
+        only a head still incomplete, so one that arrives whole is measured here."""
         buffered, _ = self.conn.trailing_data
-        if len(buffered) > self.config.h11_max_incomplete_event_size:
-            status, message, code = 431, (
-                f"the request head (request line and headers) is over "
-                f"{self.config.h11_max_incomplete_event_size} bytes (--max-header-bytes)"), \
-                "header_too_large"
+        text = buffered + data if buffered else data
+        end = text.find(b"\r\n\r\n")
+        return len(text) if end < 0 else end
+
+    def send_400_response(self, msg: str) -> None:
+        """h11 refused the request head: too large (431), or not HTTP (400)."""
+        buffered, _ = self.conn.trailing_data
+        self._refuse_head(431 if len(buffered) > self._max_head else 400)
+
+    def _refuse_head(self, status: int) -> None:
+        """Refuses the request head, with one info line naming the client (uvicorn's own line
+        about it is dropped, `_drop_uvicorn_invalid`)."""
+        if status == 431:
+            message, code = (f"the request head (request line and headers) is over "
+                             f"{self._max_head} bytes (--max-header-bytes)", "header_too_large")
         else:
-            status, message, code = 400, "the request head is not valid HTTP/1.1", "invalid_http"
+            message, code = "the request head is not valid HTTP/1.1", "invalid_http"
         log.info("%s: answered %d: %s", _client_name(self.client), status, message)
         self.refuse(status, message, code=code)
 
