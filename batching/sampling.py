@@ -29,6 +29,7 @@ from meshserve.batching.structured import StructuredOutput
 MAX_LOGPROBS = 20  # most top logprobs a request may ask for, per token
 MAX_SEED = 2**32  # seeds are uint32 on the device
 MAX_TOP_K = 2**31 - 1  # top_k is int32 on the device; any value past the vocabulary is all of it
+MAX_FLOAT32 = float(np.finfo(np.float32).max)  # float fields are float32 on the device
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -145,10 +146,13 @@ def _check_int_range(name: str, value, *, low: int, high: int | None = None,
 
 
 def _as_float(name: str, value) -> float:
-    """`value` as a finite float; ints are accepted, bools and strings are not."""
+    """`value` as a finite float that stays finite in float32 (the sampler's dtype: 1e300 would
+    reach it as inf); ints are accepted, bools and strings are not."""
     is_number = isinstance(value, numbers.Real) and not isinstance(value, bool)
     _require(is_number, f"{name} must be a number, got {value!r} ({type(value).__name__})")
-    _require(math.isfinite(value), f"{name} must be finite, got {value}")
+    _require(math.isfinite(value) and abs(value) <= MAX_FLOAT32,
+             f"{name} must be finite and at most {MAX_FLOAT32:.4g} in size (the sampler "
+             f"computes in float32), got {value}")
     return float(value)
 
 

@@ -12,7 +12,8 @@ Invariants:
   including its pre-tokenizer (chosen by `tokenizer.ggml.pre`); unknown variants are refused
   rather than guessed.
 * `eos_token_ids` always contains the EOS id first, followed by any end-of-turn token the chat
-  template emits (e.g. `<|im_end|>`), so generation stops at the end of an assistant turn.
+  template emits (e.g. `<|im_end|>`, and Llama 3's `<|eom_id|>`, which ends a turn that called a
+  tool), so generation stops at the end of an assistant turn.
 * `apply_chat_template` renders the Jinja template the way HF transformers does: sandboxed,
   `trim_blocks` and `lstrip_blocks`, with `raise_exception`, `strftime_now` and `tojson`, and
   the `tools` variable (OpenAI-style function definitions, or None); `renders_tools` says
@@ -44,7 +45,9 @@ REPLACEMENT_CHAR = "\ufffd"
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
 TOOL_PROBE_NAME = "meshserve_tool_probe"
-END_OF_TURN_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+# Llama 3.1+'s <|eom_id|> ends a turn that called a tool and waits for its result.
+END_OF_TURN_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
+                       "<|endoftext|>")
 
 LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"

@@ -113,12 +113,14 @@ class Load:
 
 @dataclasses.dataclass(frozen=True)
 class ServerInfo:
-    model: str
+    model: str  # the first served name
     mesh: str
     max_model_len: int
     version: str
     vocab_size: int
     load: Load
+    served_model_names: tuple[str, ...] = ()
+    root: str = ""  # the model's own name
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -225,7 +227,8 @@ def _server_info(message: pb.ServerInfo) -> ServerInfo:
     return ServerInfo(model=message.model, mesh=message.mesh, max_model_len=message.max_model_len,
                       version=message.version, vocab_size=message.vocab_size,
                       load=Load(num_running=load.num_running, num_waiting=load.num_waiting,
-                                kv_cache_usage=load.kv_cache_usage))
+                                kv_cache_usage=load.kv_cache_usage),
+                      served_model_names=tuple(message.served_model_names), root=message.root)
 
 
 # -- responses -----------------------------------------------------------------------------------

@@ -182,7 +182,7 @@ class _Api:
     def __init__(self, loop: EngineLoop, config):
         self.loop, self.engine = loop, loop.engine
         self.max_body_bytes = config.max_message_bytes
-        self.names = tuple(config.served_model_name) or (loop.engine.model_config.name,)
+        self.names = config.served_names(loop.engine.model_config.name)
         self.created = int(time.time())
         self.fingerprint = system_fingerprint(loop)
         self.chat_tools = chat_tools(loop.engine.tokenizer)
@@ -257,8 +257,10 @@ class _Api:
                     raise _too_large(limit)
                 chunks.append(chunk)
         except ClientDisconnect:
-            log.info("%s %s: the client went away while sending its body (%d bytes read)",
-                     request.method, request.url.path, size)
+            client = request.client
+            log.info("%s %s: the client%s went away while sending its body (%d bytes read)",
+                     request.method, request.url.path,
+                     f" {client.host}:{client.port}" if client else "", size)
             raise _ClientGone() from None
         return decode_body(b"".join(chunks))
 

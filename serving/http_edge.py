@@ -10,7 +10,10 @@ Two layers:
 
   `GuardedH11Protocol`, uvicorn's h11 connection protocol with three answers where uvicorn would
   drop the connection or answer in plain text:
-    - a request head over `max_header_bytes` is 431 (uvicorn: a plain-text 400, then a reset);
+    - a request head over `max_header_bytes` is 431 (uvicorn: a plain-text 400, then a reset;
+      or, for a head that arrives whole, no limit at all),
+      one that is not HTTP a 400 in OpenAI's JSON; either is one info line naming the client
+      (uvicorn's warning, which does not, is dropped);
     - a connection past `max_connections` is 503 with `Retry-After`;
     - a connection closed while its client is still sending (a 413, a 431) is closed gently:
       the write side is shut, and what the client still sends is read and dropped, until it
@@ -25,19 +28,23 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import http
 import json
+import logging
 from typing import Any, Callable
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from meshserve.serving.auth import bearer_matches
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
           403: "invalid_request_error", 404: "invalid_request_error",
           405: "invalid_request_error", 409: "invalid_request_error",
           413: "invalid_request_error", 431: "invalid_request_error", 408: "timeout_error",
           429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+_UVICORN_INVALID = "Invalid HTTP request received."  # uvicorn's warning of a malformed head
+log = logging.getLogger(__name__)
 LINGER_IDLE = 2.0  # seconds of silence after which a closing connection is dropped
 LINGER_MAX = 30.0  # seconds a closing connection may keep sending
 
@@ -100,13 +107,6 @@ class CorsPolicy:
             (b"access-control-allow-methods", methods.encode()),
             (b"access-control-allow-headers", headers.encode()),
             (b"access-control-max-age", b"600")]
-
-
-def bearer_matches(header: str | None, key: str) -> bool:
-    """Whether an Authorization header carries `key` as a bearer token; the scheme's case does
-    not matter (RFC 9110), the key is compared in constant time."""
-    scheme, _, token = (header or "").strip().partition(" ")
-    return hmac.compare_digest(token.strip().encode(), key.encode()) and scheme.lower() == "bearer"
 
 
 class Edge:
@@ -211,17 +211,38 @@ class GuardedH11Protocol(H11Protocol):
         if self._is_lingering:
             self._last_data = self.loop.time()  # read and dropped
             return
+        if self.conn.their_state is h11.IDLE and self._head_size(data) > self._max_head:
+            self._refuse_head(431)
+            return
         super().data_received(data)
+
+    @property
+    def _max_head(self) -> int:
+        return self.config.h11_max_incomplete_event_size
+
+    def _head_size(self, data: bytes) -> int:
+        """How long the request head that `data` adds to is, as far as it has come. h11 bounds
+        only a head still incomplete, so one that arrives whole is measured here."""
+        buffered, _ = self.conn.trailing_data
+        text = buffered + data if buffered else data
+        end = text.find(b"\r\n\r\n")
+        return len(text) if end < 0 else end
 
     def send_400_response(self, msg: str) -> None:
         """h11 refused the request head: too large (431), or not HTTP (400)."""
         buffered, _ = self.conn.trailing_data
-        if len(buffered) > self.config.h11_max_incomplete_event_size:
-            self.refuse(431, f"the request head (request line and headers) is over "
-                             f"{self.config.h11_max_incomplete_event_size} bytes "
-                             f"(--max-header-bytes)", code="header_too_large")
+        self._refuse_head(431 if len(buffered) > self._max_head else 400)
+
+    def _refuse_head(self, status: int) -> None:
+        """Refuses the request head, with one info line naming the client (uvicorn's own line
+        about it is dropped, `_drop_uvicorn_invalid`)."""
+        if status == 431:
+            message, code = (f"the request head (request line and headers) is over "
+                             f"{self._max_head} bytes (--max-header-bytes)", "header_too_large")
         else:
-            self.refuse(400, f"not a valid HTTP/1.1 request: {msg}", code="invalid_http")
+            message, code = "the request head is not valid HTTP/1.1", "invalid_http"
+        log.info("%s: answered %d: %s", _client_name(self.client), status, message)
+        self.refuse(status, message, code=code)
 
     def refuse(self, status: int, message: str, *, code: str,
                headers: list[tuple[bytes, bytes]] = ()) -> None:
@@ -292,4 +313,17 @@ class _GentleTransport:
 
 def guarded_protocol(max_connections: int) -> type[GuardedH11Protocol]:
     """The protocol class for one server, with its connection cap."""
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    if _drop_uvicorn_invalid not in uvicorn_log.filters:
+        uvicorn_log.addFilter(_drop_uvicorn_invalid)
     return type("GuardedH11Protocol", (GuardedH11Protocol,), {"max_connections": max_connections})
+
+
+def _drop_uvicorn_invalid(record: logging.LogRecord) -> bool:
+    """uvicorn warns of every malformed request head without naming the client, just before
+    `send_400_response`, which logs it with the client's address: its line is dropped."""
+    return record.getMessage() != _UVICORN_INVALID
+
+
+def _client_name(client: tuple[str, int] | None) -> str:
+    return "a client" if not client else f"{client[0]}:{client[1]}"

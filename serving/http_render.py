@@ -17,7 +17,7 @@ import time
 
 from meshserve.serving.loop import Delta
 from meshserve.serving.openai_request import OpenAIRequest
-from meshserve.serving.openai_structured import ToolCalls, ToolCallStream, tool_call
+from meshserve.serving.openai_structured import ToolCalls, ToolCallStream
 from meshserve.serving.outputs import Logprob, RequestOutput
 from meshserve.serving.tool_calls import CallParser
 
@@ -49,14 +49,11 @@ class Render:
     def whole(self, output: RequestOutput) -> dict:
         completion = output.outputs[0]
         logprobs = self._logprobs(completion.token_ids, completion.logprobs)
-        if self.parser is not None:
-            choice = {"index": 0, "message": self._own_message(completion.text),
-                      "logprobs": logprobs, "finish_reason": self._own_finish(completion)}
-            body = self._base("chat.completion")
-        elif (call := self._tool_call(completion)) is not None:
-            choice = {"index": 0, "message": {"role": "assistant", "content": None,
-                                              "tool_calls": [call]},
-                      "logprobs": logprobs, "finish_reason": "tool_calls"}
+        if self.tools is not None:
+            message, finish_reason = self.tools.message(completion.text,
+                                                        completion.finish_reason)
+            choice = {"index": 0, "message": message, "logprobs": logprobs,
+                      "finish_reason": finish_reason}
             body = self._base("chat.completion")
         elif self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": completion.text},
@@ -86,25 +83,10 @@ class Render:
                                          for entry in output.prompt_logprobs]
         return extras
 
-    def _own_message(self, text: str) -> dict:
-        """A whole output in the model's own format: its content and calls."""
-        message = {"role": "assistant", "content": self.parser.read_whole(text)}
-        if self.parser.calls:
-            message["tool_calls"] = [call.as_message() for call in self.parser.calls]
-        return message
-
     def _own_finish(self, completion) -> str:
         """"tool_calls" when the model made calls and stopped by itself after them."""
         is_called = self.parser.is_complete and completion.finish_reason == "stop"
         return "tool_calls" if is_called else completion.finish_reason
-
-    def _tool_call(self, completion) -> dict | None:
-        """The finished output as a tool call, when tools constrained it to one and it is
-        complete."""
-        if self.tool_stream is None or completion.finish_reason != "stop":
-            return None
-        parsed = self.tools.parse(completion.text)
-        return None if parsed is None else tool_call(self.tool_stream.id, *parsed)
 
     def delta(self, delta: Delta) -> list[dict]:
         if self.tool_stream is not None:
@@ -141,7 +123,8 @@ class Render:
     def finish(self, output: RequestOutput) -> list[dict]:
         completion = output.outputs[0]
         if self.tool_stream is not None:
-            is_call = self._tool_call(completion) is not None
+            is_call = (completion.finish_reason == "stop"
+                       and self.tools.parse(completion.text) is not None)
             chunks = self._tool_chunks([], "tool_calls" if is_call else completion.finish_reason,
                                        output)
         elif self.parser is not None:

@@ -3,6 +3,8 @@
     llm = LLM(model="smollm2-135m-instruct", max_num_seqs=16)
     outputs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0.8, max_tokens=32))
     outputs = llm.chat([{"role": "user", "content": "Hi!"}])
+    outputs = llm.chat(messages, tools=tools, tool_choice="required")   # as the HTTP API
+    outputs[0].outputs[0].tool_calls                    # [{"id", "type", "function": {...}}]
     for partial in llm.generate_stream("Once upon a time", SamplingParams(max_tokens=32)):
         print(partial.outputs[0].text)                  # everything so far, as tokens arrive
 
@@ -23,6 +25,7 @@ with the same arguments (checked), and every process gets process 0's outputs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pickle
 from typing import Any, Iterator, Sequence
 
@@ -34,7 +37,10 @@ from meshserve.serving import multihost
 from meshserve.sharding.loading import load_sharded
 from meshserve.serving.config import EngineConfig
 from meshserve.serving.engine import Engine
+from meshserve.serving.openai_request import read_messages
+from meshserve.serving.openai_structured import Structured, prompt_messages, read_request
 from meshserve.serving.outputs import RequestOutput
+from meshserve.serving.tool_calls import ChatTools, chat_tools
 
 Prompt = str | Sequence[int]
 
@@ -128,15 +134,50 @@ class LLM:
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """One conversation (a list of messages) or several; each gets the chat template."""
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             tools: list[dict] | None = None, tool_choice: str | dict | None = None,
+             parallel_tool_calls: bool | None = None,
+             response_format: dict | None = None) -> list[RequestOutput]:
+        """One conversation (a list of messages, as the HTTP API reads them) or several; each
+        gets the chat template. `tools`, `tool_choice`, `parallel_tool_calls` and
+        `response_format` are the HTTP API's fields, read by the same code: they constrain the
+        output, and with tools each output's `message` is the assistant's answer with its
+        `tool_calls` parsed (finish_reason "tool_calls" when it called)."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
+        fields = {name: value for name, value in (
+            ("tools", tools), ("tool_choice", tool_choice),
+            ("parallel_tool_calls", parallel_tool_calls), ("response_format", response_format))
+            if value is not None}
+        structured = read_request(fields, chat=True, chat_tools=self._chat_tools) if fields \
+            else Structured()
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(list(c),
-                                                      add_generation_prompt=add_generation_prompt)
+        prompts = [self._chat_prompt(c, structured, add_generation_prompt)
                    for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        params = _as_params_list(sampling_params, len(prompts))
+        if structured.output is not None:
+            params = [_constrained(sp, structured) for sp in params]
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        if structured.tools is not None:
+            for out in outputs:
+                completion = out.outputs[0]
+                completion.message, completion.finish_reason = structured.tools.message(
+                    completion.text, completion.finish_reason)
+        return outputs
+
+    @functools.cached_property
+    def _chat_tools(self) -> ChatTools:
+        """What the chat template does with tools (found once)."""
+        return chat_tools(self.tokenizer)
+
+    def _chat_prompt(self, conversation: Sequence[dict], structured: Structured,
+                     add_generation_prompt: bool) -> str:
+        """A conversation through the chat template, with its tools as the HTTP API gives
+        them."""
+        read, tools = prompt_messages(read_messages(list(conversation)), structured.tools,
+                                      self._chat_tools)
+        return self.tokenizer.apply_chat_template(read, tools=tools,
+                                                  add_generation_prompt=add_generation_prompt)
 
     def _run(self, ids: list[str], *, use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
@@ -158,6 +199,13 @@ def _as_prompt_list(prompts) -> list[Prompt]:
     if not prompts:
         raise ValueError("generate() needs at least one prompt")
     return prompts
+
+
+def _constrained(params: SamplingParams, structured: Structured) -> SamplingParams:
+    if params.structured is not None:
+        raise ValueError(f"sampling_params.structured and {structured.field} each constrain the "
+                         "output: give one")
+    return dataclasses.replace(params, structured=structured.output)
 
 
 def _as_params_list(params, count: int) -> list[SamplingParams]:

@@ -136,35 +136,57 @@ def _prompt(name: str, value: Any, endpoint: str) -> tuple[str, str | list[int]]
                              f"{_shown(value)}")
 
 
+def read_messages(messages: Any) -> list[dict]:
+    """Chat messages read as the chat endpoint reads them; ValueError naming the message and key
+    at fault (the Python API's `LLM.chat`)."""
+    try:
+        return _messages("messages", messages, "chat")
+    except RequestError as err:
+        raise ValueError(err.message) from None
+
+
 def _messages(name: str, value: Any, endpoint: str) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise RequestError(name, "messages must be a non-empty list of {role, content}")
     return [_message(f"{name}[{i}]", message) for i, message in enumerate(value)]
 
 
-# Message keys other than role and content: OpenAI clients send them back as null with an
+# Message keys other than role, content and name: OpenAI clients send them back as null with an
 # assistant message; any other value would change the conversation, and is refused.
-_MESSAGE_EXTRAS = ("name", "tool_calls", "tool_call_id", "function_call", "refusal", "audio",
+_MESSAGE_EXTRAS = ("tool_calls", "tool_call_id", "function_call", "refusal", "audio",
                    "annotations", "reasoning_content")
+MAX_NAME_CHARS = 64  # a participant's name, as OpenAI bounds function names
 
 
 def _message(where: str, message: Any) -> dict:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise RequestError(where, f"{where} must be an object with a role (a string)")
     for key, value in message.items():
-        if key in ("role", "content") or value in (None, [], "") or _is_tool_key(message, key):
+        if key in ("role", "content", "name") or value in (None, [], "") or \
+                _is_tool_key(message, key):
             continue
-        why = ("only role and content are served" if key in _MESSAGE_EXTRAS
+        why = ("only role, content and name are served" if key in _MESSAGE_EXTRAS
                else "not a chat message field")
         raise RequestError(f"{where}.{key}", f"{where}.{key}: {why}; leave it out",
                            code="unsupported_parameter")
     if message["role"] == "assistant" and message.get("tool_calls"):
-        return _tool_calls_message(f"{where}.tool_calls", message)
-    read = {"role": message["role"], "content": _content(f"{where}.content",
-                                                         message.get("content"))}
+        read = _tool_calls_message(f"{where}.tool_calls", message)
+    else:
+        read = {"role": message["role"], "content": _content(f"{where}.content",
+                                                             message.get("content"))}
     if message["role"] == "tool" and isinstance(message.get("tool_call_id"), str):
         read["tool_call_id"] = message["tool_call_id"]
+    if message.get("name") is not None:
+        read["name"] = _name(f"{where}.name", message["name"])
     return read
+
+
+def _name(where: str, name: Any) -> str:
+    """A participant's name: the chat template gets it as the message's `name`."""
+    if not isinstance(name, str) or not 1 <= len(name) <= MAX_NAME_CHARS:
+        raise RequestError(where, f"{where} must be a string of 1 to {MAX_NAME_CHARS} "
+                                  f"characters, got {_shown(name)}")
+    return name
 
 
 def _is_tool_key(message: dict, key: str) -> bool:
@@ -275,7 +297,9 @@ FIELDS: tuple[Field, ...] = (
     honoured("prompt", "one text, or one list of token ids (a list of one of either too)",
              _prompt, endpoints=COMPLETIONS),
     honoured("messages", "role and content (a string, or text parts), through the model's chat "
-             "template", _messages, endpoints=CHAT),
+             "template; a message's name goes to the template too, which renders it where it "
+             "reads names (most templates, SmolLM2's among them, leave it out)", _messages,
+             endpoints=CHAT),
     honoured("max_tokens", "default: 16 for completions, the rest of the context for chat; "
              "prompt + max_tokens must fit the context (nothing is truncated)", _typed(int)),
     honoured("max_completion_tokens", "the same as max_tokens", _typed(int), endpoints=CHAT),

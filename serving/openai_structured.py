@@ -42,7 +42,7 @@ import json
 import re
 
 from meshserve.batching.structured import StructuredOutput
-from meshserve.serving.tool_calls import ChatTools, chat_tools, tool_call_id
+from meshserve.serving.tool_calls import CallParser, ChatTools, chat_tools, tool_call_id
 
 NO_TEMPLATE = chat_tools(None)
 
@@ -111,6 +111,24 @@ class ToolCalls:
             ask = 'Call one of them: reply with JSON {"name": ..., "arguments": {...}}.'
         return {"role": "system", "content": "You can call these functions:\n"
                 + json.dumps(described, ensure_ascii=False) + "\n" + ask}
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """A finished output as OpenAI's assistant message, and its finish reason: "tool_calls"
+        when it made calls and stopped by itself after them. In the model's own format the
+        message holds the content beside the calls; otherwise the output is one call, or (cut
+        off, or not a call) text."""
+        if self.own is not None:
+            parser = CallParser(self.own.format)
+            message = {"role": "assistant", "content": parser.read_whole(text)}
+            if parser.calls:
+                message["tool_calls"] = [call.as_message() for call in parser.calls]
+            is_called = parser.is_complete and finish_reason == "stop"
+            return message, "tool_calls" if is_called else finish_reason
+        parsed = self.parse(text) if finish_reason == "stop" else None
+        if parsed is None:
+            return {"role": "assistant", "content": text}, finish_reason
+        return ({"role": "assistant", "content": None,
+                 "tool_calls": [tool_call(tool_call_id(), *parsed)]}, "tool_calls")
 
     def parse(self, text: str) -> tuple[str, str] | None:
         """`(name, arguments JSON)` of the call in a finished output (not in the model's own
@@ -312,11 +330,12 @@ def _with_argument_values(message: dict) -> dict:
 
 
 def _as_text(message: dict) -> dict:
-    """A message with only role and content: its tool calls written after its content."""
+    """A message with only role, content (its tool calls written after it) and name."""
     content = message["content"]
     if "tool_calls" in message:
         content = (content + "\n" if content else "") + calls_as_text(message["tool_calls"])
-    return {"role": message["role"], "content": content}
+    named = {"name": message["name"]} if "name" in message else {}
+    return {"role": message["role"], "content": content} | named
 
 
 def calls_as_text(calls: list) -> str:

@@ -51,6 +51,13 @@ class CompletionOutput:
     finish_reason: str | None  # "stop", "length", "abort", "unsatisfiable", or None while running
     stop_reason: int | str | None = None  # the stop token id or string that ended it, or why
     # a structured output could not go on ("unsatisfiable")
+    # `LLM.chat` with tools: the answer as OpenAI's assistant message, its tool calls parsed
+    message: dict | None = None
+
+    @property
+    def tool_calls(self) -> list[dict]:
+        """The calls the answer made (OpenAI's `tool_calls` entries); empty without any."""
+        return list((self.message or {}).get("tool_calls") or [])
 
     @property
     def cumulative_logprob(self) -> float | None:

@@ -39,7 +39,6 @@ stops, and `wait()` returns True.
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import threading
 import time
 import uuid
@@ -55,6 +54,7 @@ from grpc_reflection.v1alpha import reflection
 
 from meshserve.batching.config import knob
 from meshserve.batching.sampling import SamplingParams
+from meshserve.serving.auth import bearer_matches
 from meshserve.serving.structured_messages import structured_from_message
 from meshserve.serving.api import generation_pb2 as pb
 from meshserve.serving.api import generation_pb2_grpc as pb_grpc
@@ -130,6 +130,11 @@ class ServerConfig:
         if not all(isinstance(v, str) and v for v in value):
             raise ValueError(f"{name} must hold non-empty strings, got {value!r}")
         object.__setattr__(self, name, value)
+
+    def served_names(self, model_name: str) -> tuple[str, ...]:
+        """The names the model is served under: `served_model_name`, else `model_name` (the
+        model's own name; `meshserve serve` sets `served_model_name` to --model as given)."""
+        return self.served_model_name or (model_name,)
 
     def resolved_api_key(self) -> str | None:
         if self.api_key_file is None:
@@ -313,7 +318,9 @@ class GenerationServer:
 
     def server_info(self) -> pb.ServerInfo:
         engine, load = self.engine, self.loop.load
-        return pb.ServerInfo(model=engine.model_config.name, mesh=engine.config.mesh,
+        names = self.config.served_names(engine.model_config.name)
+        return pb.ServerInfo(model=names[0], served_model_names=names,
+                             root=engine.model_config.name, mesh=engine.config.mesh,
                              max_model_len=engine.config.max_model_len,
                              load=pb.Load(num_running=load.num_running,
                                           num_waiting=load.num_waiting,
@@ -393,11 +400,11 @@ class _Servicer(pb_grpc.GenerationServicer):
 
 
 class _ApiKeyInterceptor(grpc.ServerInterceptor):
-    """Requires `authorization: Bearer <key>` on the Generation service (health and reflection
-    stay open, so load balancers and grpcurl's discovery work)."""
+    """Requires `authorization: Bearer <key>` on the Generation service, the scheme in any case
+    (health and reflection stay open, so load balancers and grpcurl's discovery work)."""
 
     def __init__(self, api_key: str, metrics: ServerMetrics):
-        self._expected = f"Bearer {api_key}"
+        self._api_key = api_key
         self._metrics = metrics
 
         def deny(request, context):
@@ -410,7 +417,7 @@ class _ApiKeyInterceptor(grpc.ServerInterceptor):
         if not handler_call_details.method.startswith(f"/{SERVICE_NAME}/"):
             return continuation(handler_call_details)
         metadata_ = dict(handler_call_details.invocation_metadata or ())
-        if _constant_time_equal(metadata_.get("authorization", ""), self._expected):
+        if bearer_matches(metadata_.get("authorization"), self._api_key):
             return continuation(handler_call_details)
         self._metrics.observe_rejected("unauthenticated")
         handler = continuation(handler_call_details)
@@ -478,10 +485,6 @@ def _request_id(given: str) -> str:
         return checked_request_id(given, lambda: f"req-{uuid.uuid4().hex[:12]}")
     except Refused as refused:
         raise _rpc_error(refused) from None
-
-
-def _constant_time_equal(a: str, b: str) -> bool:
-    return hmac.compare_digest(a.encode(), b.encode())
 
 
 def _sampling_params(message: pb.SamplingParams) -> SamplingParams:

@@ -189,7 +189,7 @@ class Load(_message.Message):
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("model", "mesh", "max_model_len", "load", "version", "vocab_size", "warmup_programs", "warmup_seconds", "attention")
+    __slots__ = ("model", "mesh", "max_model_len", "load", "version", "vocab_size", "warmup_programs", "warmup_seconds", "attention", "served_model_names", "root")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MESH_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +199,8 @@ class ServerInfo(_message.Message):
     WARMUP_PROGRAMS_FIELD_NUMBER: _ClassVar[int]
     WARMUP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    SERVED_MODEL_NAMES_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
     model: str
     mesh: str
     max_model_len: int
@@ -208,4 +210,6 @@ class ServerInfo(_message.Message):
     warmup_programs: int
     warmup_seconds: float
     attention: str
-    def __init__(self, model: _Optional[str] = ..., mesh: _Optional[str] = ..., max_model_len: _Optional[int] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., version: _Optional[str] = ..., vocab_size: _Optional[int] = ..., warmup_programs: _Optional[int] = ..., warmup_seconds: _Optional[float] = ..., attention: _Optional[str] = ...) -> None: ...
+    served_model_names: _containers.RepeatedScalarFieldContainer[str]
+    root: str
+    def __init__(self, model: _Optional[str] = ..., mesh: _Optional[str] = ..., max_model_len: _Optional[int] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., version: _Optional[str] = ..., vocab_size: _Optional[int] = ..., warmup_programs: _Optional[int] = ..., warmup_seconds: _Optional[float] = ..., attention: _Optional[str] = ..., served_model_names: _Optional[_Iterable[str]] = ..., root: _Optional[str] = ...) -> None: ...

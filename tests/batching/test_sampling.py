@@ -36,6 +36,8 @@ INVALID = [
     ("temperature", -1, "temperature must be >= 0, got -1"),
     ("temperature", float("nan"), "temperature must be finite"),
     ("temperature", float("inf"), "temperature must be finite"),
+    ("temperature", 1e300, "temperature must be finite and at most 3.403e+38 in size"),  # inf
+    ("repetition_penalty", 3.5e38, "repetition_penalty must be finite and at most"),  # in f32
     ("temperature", "0.5", "temperature must be a number"),
     ("temperature", False, "temperature must be a number"),
     ("top_k", -2, "top_k must be >= 1, or 0 or -1 for off, got -2"),

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from meshserve.serving.client import Client
 from meshserve.serving.config import EngineConfig
 from meshserve.serving.engine import Engine
 from meshserve.serving.http_render import Render
@@ -323,6 +324,9 @@ def test_every_honoured_completions_field_is_served(fake):
     ({"prompt": [1], "prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "invalid_value"),
     ({"prompt": [1], "max_tokens": 4, "min_tokens": 5}, "min_tokens", "invalid_value"),
     ({"prompt": [1], "top_k": 2**40}, "top_k", "invalid_value"),  # once took the engine down
+    ({"prompt": [1], "temperature": 1e300}, "temperature", "invalid_value"),  # inf in float32
+    ({"prompt": [1], "frequency_penalty": -1e39}, "frequency_penalty", "invalid_value"),
+    ({"prompt": [1], "repetition_penalty": 3.5e38}, "repetition_penalty", "invalid_value"),
     ({"prompt": [1], "request_id": "a\nb"}, "request_id", "invalid_value"),
     ({"prompt": [1], "model": "gpt-4"}, "model", "model_not_found"),
 ])
@@ -332,9 +336,18 @@ def test_each_bad_field_is_named(fake, body, param, code):
         param, code), answer
 
 
-def test_chat_messages_keep_to_role_and_text(fake):
+def test_a_number_that_parses_to_infinity_is_named(fake):
+    status, _, raw = _request(fake.http_port, "POST", "/v1/completions",
+                              b'{"prompt": [1], "temperature": 1e400}')
+    assert status == 400 and _error(raw)["param"] == "temperature"
+
+
+def test_chat_messages_keep_to_role_text_and_name(fake):
     for messages, param in [
-            ([{"role": "user", "content": "hi", "name": "ann"}], "messages[0].name"),
+            ([{"role": "user", "content": "hi", "name": 7}], "messages[0].name"),
+            ([{"role": "user", "content": "hi", "name": "a" * 65}], "messages[0].name"),
+            ([{"role": "user", "content": "hi", "function_call": {"name": "f"}}],
+             "messages[0].function_call"),
             ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
              "messages[0].content[0]"),
             ([{"role": "user", "content": None}], "messages[0].content")]:
@@ -366,17 +379,19 @@ def test_a_client_still_sending_when_refused_reads_its_answer(fake):
                            b"Connection: close\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked)
         status, body = _status_and_body(answer)
         assert status == 413 and _error(body)["code"] == "body_too_large"
-        answer = _send_raw(fake.http_port, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: "
-                           + b"a" * (8 << 20) + b"\r\n\r\n")
-        status, body = _status_and_body(answer)
-        assert status == 431 and _error(body)["code"] == "header_too_large"
+        for size in (8 << 20, 100 << 10):  # past the 64 KiB limit; the second arrives whole
+            answer = _send_raw(fake.http_port, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: "
+                               + b"a" * size + b"\r\n\r\n")
+            status, body = _status_and_body(answer)
+            assert status == 431 and _error(body)["code"] == "header_too_large", size
 
 
-def test_a_client_gone_while_sending_its_body_is_one_info_line(fake):
+def test_a_client_gone_or_a_malformed_head_is_one_info_line_naming_it(fake):
     records = []
     handler = logging.Handler(logging.DEBUG)
     handler.emit = records.append
-    loggers = [logging.getLogger(n) for n in ("meshserve.serving.http_api", "uvicorn.error")]
+    names = ("meshserve.serving.http_api", "meshserve.serving.http_edge", "uvicorn.error")
+    loggers = [logging.getLogger(n) for n in names]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.addHandler(handler)
@@ -388,14 +403,22 @@ def test_a_client_gone_while_sending_its_body_is_one_info_line(fake):
                              b"Content-Length: 1000\r\n\r\n" + b'{"prompt": [1, ')
                 time.sleep(0.05)  # the app is reading the body when the client leaves
         wait_for(lambda: len(records) >= 8)
+        for head in (b"NOT HTTP\r\n\r\n", b"GET /health HTTP/1.1\r\nX: " + b"a" * (1 << 20)):
+            status, body = _status_and_body(_send_raw(fake.http_port, head))
+            assert status in (400, 431) and _error(body)
+        wait_for(lambda: len(records) >= 10)
         time.sleep(0.2)
     finally:
         for lg, level in zip(loggers, levels):
             lg.removeHandler(handler)
             lg.setLevel(level)
     assert [(r.name, r.levelno) for r in records] == [
-        ("meshserve.serving.http_api", logging.INFO)] * 8
+        ("meshserve.serving.http_api", logging.INFO)] * 8 + [
+        ("meshserve.serving.http_edge", logging.INFO)] * 2
+    assert all(r.exc_info is None for r in records)
     assert "went away while sending its body" in records[0].getMessage()
+    assert [r.getMessage().split(": answered ")[1][:3] for r in records[8:]] == ["400", "431"]
+    assert all(re.search(r"127\.0\.0\.1:\d+", r.getMessage()) for r in records)
 
 
 def test_cors_preflight_allowed_and_refused(fake):
@@ -422,6 +445,10 @@ def test_served_model_names_and_the_response_s_ids(fake):
     assert [m["id"] for m in json.loads(raw)["data"]] == ["arith", "arith-2"]
     assert json.loads(_request(port, "GET", "/v1/models/arith-2")[2])["root"] == (
         "fake-arithmetic")
+    with Client(f"127.0.0.1:{fake.port}", timeout=30) as client:  # gRPC names them alike
+        info = client.server_info()
+    assert (info.model, info.served_model_names, info.root) == (
+        "arith", ("arith", "arith-2"), "fake-arithmetic")
     prompt = [3, 1, 4]
     status, headers, answer = _post(port, "/v1/completions", {
         "model": "arith-2", "prompt": prompt, "max_tokens": 3}, {"X-Request-Id": "trace-7"})

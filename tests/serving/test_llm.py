@@ -4,6 +4,7 @@ The fast tests use the tiny random Llama preset (token-id prompts, no tokenizer)
 load the real SmolLM2-135M-Instruct for chat and text prompts.
 """
 
+import json
 import subprocess
 import sys
 
@@ -136,3 +137,38 @@ def test_smollm2_chat_knows_the_capital_of_france(smol_llm):
     assert echo.prompt == prompt
     assert echo.prompt_token_ids == smol_llm.tokenizer.encode(prompt, add_special_tokens=True)
     assert echo.outputs[0].text and len(echo.outputs[0].token_ids) == 4
+
+
+WEATHER = {"type": "object",
+           "properties": {"city": {"type": "string", "maxLength": 20},
+                          "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather",
+                                           "description": "The weather in a city.",
+                                           "parameters": WEATHER}}]
+
+
+@pytest.mark.slow
+def test_smollm2_chat_takes_tools_and_response_format_as_the_http_api_does(smol_llm):
+    """The same fields, read by the same code: SmolLM2's chat template declares no tools, so
+    "required" constrains the output to a call, and "auto" is refused."""
+    import jsonschema
+    from meshserve import SamplingParams
+
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    greedy = SamplingParams(temperature=0, max_tokens=48)
+    (out,) = smol_llm.chat(ask, greedy, tools=TOOLS, tool_choice="required", use_tqdm=False)
+    completion = out.outputs[0]
+    assert completion.finish_reason == "tool_calls" and "You can call" in out.prompt
+    (call,) = completion.tool_calls
+    assert call["id"].startswith("call_") and call["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER)
+    assert completion.message == {"role": "assistant", "content": None, "tool_calls": [call]}
+    with pytest.raises(ValueError, match="tool_choice 'auto'"):
+        smol_llm.chat(ask, greedy, tools=TOOLS, use_tqdm=False)
+    city = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+            "required": ["city"], "additionalProperties": False}
+    (out,) = smol_llm.chat(ask, greedy, use_tqdm=False, response_format={
+        "type": "json_schema", "json_schema": {"name": "city", "schema": city}})
+    jsonschema.validate(json.loads(out.outputs[0].text), city)
+    assert out.outputs[0].message is None and out.outputs[0].tool_calls == []

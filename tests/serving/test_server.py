@@ -280,8 +280,10 @@ def test_an_api_key_is_required_on_generation_but_not_on_health(start, tmp_path)
         with pytest.raises(grpc.RpcError) as err:
             stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=metadata)
         assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
-    good = (("authorization", "Bearer s3cret"),)
-    assert _collect(stub.Generate(_request([5, 6], _greedy(2)), metadata=good, timeout=30))[1]
+    for scheme in ("Bearer", "bearer", "BEARER"):  # the scheme is case-insensitive
+        good = (("authorization", f"{scheme} s3cret"),)
+        assert _collect(stub.Generate(_request([5, 6], _greedy(2)), metadata=good,
+                                      timeout=30))[1]
     health = health_pb2_grpc.HealthStub(channel)
     assert health.Check(health_pb2.HealthCheckRequest()).status == (
         health_pb2.HealthCheckResponse.SERVING)

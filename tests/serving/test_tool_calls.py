@@ -18,7 +18,7 @@ import pytest
 from tokenizers import AddedToken
 
 from meshserve.batching.structured import StructuredOutput
-from meshserve.model.tokenizer import SpecialTokens, Tokenizer
+from meshserve.model.tokenizer import SpecialTokens, Tokenizer, end_token_ids
 from meshserve.serving.config import EngineConfig
 from meshserve.serving.engine import Engine
 from meshserve.serving.grammar import GrammarCompiler
@@ -63,7 +63,7 @@ To call one, write <tool_call>
 {{ message.content }}
 </tool_response><|im_end|>
 {% elif message.role != 'system' or not loop.first %}
-<|im_start|>{{ message.role }}
+<|im_start|>{{ message.role }}{{ ' (' ~ message.name ~ ')' if message.name }}
 {{ message.content }}<|im_end|>
 {% endif %}
 {%- endfor %}
@@ -85,7 +85,8 @@ tools after <|python_tag|>).
 
 {% endif %}
 {%- for call in message.tool_calls or [] %}{"name": "{{ call.function.name }}", "parameters": \
-{{ call.function.arguments | tojson }}}{% endfor %}{{ message.content }}<|eot_id|>
+{{ call.function.arguments | tojson }}}{% endfor %}{{ message.content }}
+{{- '<|eom_id|>' if message.tool_calls and builtin_tools is defined else '<|eot_id|>' }}
 {%- endfor %}
 {%- if add_generation_prompt %}
 <|start_header_id|>assistant<|end_header_id|>
@@ -125,12 +126,14 @@ def hermes_tokenizer(template: str = TEMPLATE, *, special_markers: bool = False)
 
 
 def llama_tokenizer() -> Tokenizer:
-    """The tiny byte-level tokenizer with Llama 3's header, turn and python-tag tokens."""
+    """The tiny byte-level tokenizer with Llama 3's header, turn, message and python-tag tokens;
+    its end ids found in the template as a loaded tokenizer's are."""
     backend = tiny_tokenizer()._backend
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (
-        "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>")])
+        "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
+        "<|python_tag|>")])
     return Tokenizer(backend, special=SpecialTokens(
-        bos_token_id=None, eos_token_ids=(EOS_ID, backend.token_to_id("<|eot_id|>")),
+        bos_token_id=None, eos_token_ids=end_token_ids(backend, [EOS_ID], LLAMA_TEMPLATE),
         pad_token_id=0), chat_template=LLAMA_TEMPLATE)
 
 
@@ -491,6 +494,15 @@ def test_history_tool_calls_go_to_the_template_as_the_model_writes_them(served, 
     assert "<tool_response>\n18 C, sunny\n</tool_response>" in prompt
 
 
+def test_a_message_s_name_goes_to_the_template(served, tokenizer):
+    _say(served, tokenizer, "Hi Ann.")
+    done = _chat(served, tools=None, extra_body={"return_token_ids": True}, messages=[
+        {"role": "user", "name": "ann", "content": "Hi!"}])
+    assert done.choices[0].message.content == "Hi Ann."
+    prompt = tokenizer.decode(done.prompt_token_ids, skip_special_tokens=False)
+    assert "<|im_start|>user (ann)\nHi!<|im_end|>" in prompt
+
+
 def test_a_bare_format_answers_a_call_or_text(served_llama, llama):
     call = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}'
     _say(served_llama, llama, [llama.token_to_id("<|python_tag|>")], call)
@@ -505,6 +517,18 @@ def test_a_bare_format_answers_a_call_or_text(served_llama, llama):
         "", [("get_weather", '{"city": "Paris", "unit": "celsius"}')], 1, "tool_calls")
     _say(served_llama, llama, "Sunny {and warm}.")
     assert _chat(served_llama).choices[0].message.content == "Sunny {and warm}."
+
+
+def test_llama_3_s_end_of_message_token_ends_a_turn(served_llama, llama):
+    """Llama 3.1+ ends a turn that called a tool with <|eom_id|> (its template writes it): it is
+    one of the end ids, so it ends the answer, and the tools' grammar lets it."""
+    eom = llama.token_to_id("<|eom_id|>")
+    assert llama.eos_token_ids == (EOS_ID, llama.token_to_id("<|eot_id|>"), eom)
+    for tools in (TOOLS, None):
+        _say(served_llama, llama, "Let me run that.", [eom], "more text")
+        done = _chat(served_llama, tools=tools)
+        assert (done.choices[0].message.content, done.choices[0].finish_reason) == (
+            "Let me run that.", "stop")
 
 
 def test_a_tool_schema_that_does_not_compile_is_a_400_naming_tools(served):
