@@ -444,8 +444,9 @@ def smol_served(smollm2_files):
     engine has one owner at a time)."""
     llm = LLM(str(smollm2_files.path), **SMOL)
     greedy = SamplingParams(max_tokens=12, temperature=0)
+    with_logprobs = SamplingParams(max_tokens=12, temperature=0, logprobs=2)
     want = {"text": llm.generate([TEXT], greedy, use_tqdm=False)[0].outputs[0],
-            "chat": llm.chat(MESSAGES, greedy, use_tqdm=False)[0].outputs[0]}
+            "chat": llm.chat(MESSAGES, with_logprobs, use_tqdm=False)[0].outputs[0]}
     server = GenerationServer(llm.engine, ServerConfig(port=0, http_port=0))
     server.start()
     yield server, llm, want
@@ -486,8 +487,16 @@ def test_openai_chat_equals_llm_chat_plain_and_streamed(smol_served, client):
                                           temperature=0, logprobs=True, top_logprobs=2)
     assert done.choices[0].message.content == want["chat"].text
     assert done.choices[0].finish_reason == want["chat"].finish_reason
-    assert len(done.choices[0].logprobs.content) == len(want["chat"].token_ids)
-    assert all(len(lp.top_logprobs) == 2 for lp in done.choices[0].logprobs.content)
+    content = done.choices[0].logprobs.content
+    assert len(content) == len(want["chat"].token_ids)
+    for got, token, entry in zip(content, want["chat"].token_ids, want["chat"].logprobs):
+        top = sorted((lp for lp in entry.values() if lp.rank <= 2), key=lambda lp: lp.rank)
+        assert got.token == entry[token].decoded_token
+        assert bytes(got.bytes).decode() == got.token
+        assert [t.token for t in got.top_logprobs] == [lp.decoded_token for lp in top]
+        np.testing.assert_allclose([got.logprob] + [t.logprob for t in got.top_logprobs],
+                                   [entry[token].logprob] + [lp.logprob for lp in top],
+                                   atol=1e-4)
     stream = client.chat.completions.create(model=model, messages=MESSAGES,
                                             max_completion_tokens=12, temperature=0, stream=True)
     deltas = [c.choices[0].delta for c in stream]
