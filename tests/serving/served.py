@@ -84,9 +84,10 @@ class StepGate:
             self._changed.notify_all()
 
 
-def record_cancels(loop: EngineLoop) -> list[str]:
+def record_cancels(loop: EngineLoop, monkeypatch=None) -> list[str]:
     """The ids of the requests a front end cancels on `loop`, each appended once its abort is
-    queued for the engine loop (so a test that sees it knows the engine will act on it)."""
+    queued for the engine loop (so a test that sees it knows the engine will act on it). With
+    pytest's `monkeypatch`, the recording ends with the test (for a loop that outlives it)."""
     cancelled: list[str] = []
     cancel = loop.cancel
 
@@ -94,13 +95,14 @@ def record_cancels(loop: EngineLoop) -> list[str]:
         cancel(request_id)
         cancelled.append(request_id)
 
-    loop.cancel = recorded
+    _patch(monkeypatch, loop, "cancel", recorded)
     return cancelled
 
 
-def record_aborts(loop: EngineLoop) -> list[str]:
+def record_aborts(loop: EngineLoop, monkeypatch=None) -> list[str]:
     """The ids of the requests the engine aborted before they finished (cancelled, or past a
-    deadline), as the loop counts them (finish reason "abort" in the metrics)."""
+    deadline), as the loop counts them (finish reason "abort" in the metrics); `monkeypatch` as
+    for `record_cancels`."""
     aborted: list[str] = []
     observe = loop.metrics.observe_aborted
 
@@ -108,5 +110,12 @@ def record_aborts(loop: EngineLoop) -> list[str]:
         aborted.append(request_id)
         observe(request_id)
 
-    loop.metrics.observe_aborted = recorded
+    _patch(monkeypatch, loop.metrics, "observe_aborted", recorded)
     return aborted
+
+
+def _patch(monkeypatch, target, name: str, value) -> None:
+    if monkeypatch is None:
+        setattr(target, name, value)
+    else:
+        monkeypatch.setattr(target, name, value)
