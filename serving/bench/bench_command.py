@@ -83,6 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="instead of the policies: JSON for each schema of a set (default: "
                              "the 54 shipped) at temperature 0 and 0.8, each output validated "
                              "with jsonschema")
+    bench.add_allow_dirty_argument(parser)
     options.add_model_args(parser)
 
 
@@ -99,12 +100,13 @@ QUICK_MAX_PROMPT, QUICK_MAX_OUTPUT, QUICK_MAX_MODEL_LEN = 128, 32, 256
 
 def run(args: argparse.Namespace) -> None:
     _check_bench_args(args)
+    source = bench.provenance(allow_dirty=args.allow_dirty) if args.output else None
     if args.policy in ORDERINGS:  # both batching policies always run: --policy picks the ordering
         args.ordering, args.policy = args.policy, "continuous"
     if args.quick and args.max_model_len is None:
         args.max_model_len = QUICK_MAX_MODEL_LEN
     if args.structured or args.schema_validity is not None:
-        return _run_structured(args)
+        return _run_structured(args, source)
     llm = options.load_llm(args, needs_tokenizer=False, warmup=False)
     requests = _bench_requests(args, llm)
     if args.stop_at_eos:
@@ -169,10 +171,10 @@ def run(args: argparse.Namespace) -> None:
             "mode": args.mode, "quick": args.quick,
             "arrivals": {k: v for k, v in online.items() if k != "slos"} or None,
             "engine_config": dataclasses.asdict(llm.engine.config),
-            "environment": bench.environment(), "results": results} | payload)
+            "environment": bench.environment(source), "results": results} | payload)
 
 
-def _run_structured(args: argparse.Namespace) -> None:
+def _run_structured(args: argparse.Namespace, source: bench.Provenance | None) -> None:
     """`--structured` or `--schema-validity`: structured output's cost, or its validity."""
     from meshserve.serving.bench import structured
 
@@ -201,7 +203,7 @@ def _run_structured(args: argparse.Namespace) -> None:
             "schema_version": 1, "command": "meshserve " + " ".join(args.argv),
             "model": llm.model_config.name, "workload": args.workload, "seed": args.seed,
             "engine_config": dataclasses.asdict(llm.engine.config),
-            "environment": bench.environment(),
+            "environment": bench.environment(source),
             "structured" if args.structured else "schema_validity": results})
 
 

@@ -89,6 +89,7 @@ def add_arguments(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--output", type=Path, default=None, help="write the JSON (and charts) here")
     sub.add_argument("--plots-dir", type=Path, default=None,
                      help="where the PNG charts go (default: next to --output)")
+    bench.add_allow_dirty_argument(sub)
     options.add_model_args(sub)
 
 
@@ -97,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
     mesh). Bad input raises ValueError with what to change, before any loading."""
     config = options.dataclass_from_args(EngineConfig, args)
     meshes = _check_args(args)
+    source = bench.provenance(allow_dirty=args.allow_dirty) if args.output else None
     pretrained = load_pretrained(args.model, dtype=args.dtype)
     config = dataclasses.replace(config.for_model(pretrained.config), mesh=None)
     requests = sweep_requests(args, pretrained, max_model_len=config.max_model_len)
@@ -124,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
             "dtype": pretrained.config.dtype, "workload": args.workload,
             "num_requests": len(requests), "seed": args.seed, "concurrency": args.concurrency,
             "repeats": args.repeats, "engine_config": dataclasses.asdict(config),
-            "environment": bench.environment(),
+            "environment": bench.environment(source),
             "machine": None if machine is None else dataclasses.asdict(machine),
             "meshes": records, "comparison": comparison,
             "plots": plots | {"directory": str(directory)}})

@@ -20,10 +20,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", type=int, default=128, help="tokens already in context")
     parser.add_argument("--output", type=Path, default=None,
                         help="also write the measurements as JSON (with the machine and command)")
+    bench.add_allow_dirty_argument(parser)
     options.add_model_args(parser)
 
 
 def run(args: argparse.Namespace) -> None:
+    source = bench.provenance(allow_dirty=args.allow_dirty) if args.output else None
     llm = options.load_llm(args, needs_tokenizer=False, warmup=False)
     config, batches = llm.model_config, args.batch or [1]
     runner = bench.decode_runner(llm.engine.model, max_batch=max(batches), context=args.context,
@@ -45,5 +47,5 @@ def run(args: argparse.Namespace) -> None:
         bench.write_results(args.output, {
             "command": "meshserve " + " ".join(args.argv), "model": config.name,
             "dtype": config.dtype, "context": args.context,
-            "machine": dataclasses.asdict(machine), "environment": bench.environment(),
+            "machine": dataclasses.asdict(machine), "environment": bench.environment(source),
             "decode": rows})

@@ -176,6 +176,17 @@ def test_digest_words_is_eight_deterministic_int32_words():
     assert all(isinstance(w, int) and -(2**31) <= w < 2**31 for w in first)
 
 
+def test_digest_words_are_sha256_known_answers():
+    """SHA-256("abc") is ba7816bf 8f01cfea 414140de 5dae2223 b00361a3 96177a9c b410ff61 f20015ad
+    (FIPS 180-2, appendix B.1), and SHA-256 of no bytes is e3b0c442 98fc1c14 9afbf4c8 996fb924
+    27ae41e4 649b934c a495991b 7852b855; each 4 bytes read as one little-endian int32 word."""
+    assert wire.digest_words("abc") == (-1089046342, -355532401, -566214335, 589475421,
+                                        -1553923152, -1669720170, 1644105908, -1391132430)
+    assert wire.digest_words("") == (1120186595, 337443992, -923468902, 616132505, -465457625,
+                                     1284741988, 463050148, 1438143096)
+    assert wire.digest_words("abc", count=2) == (-1089046342, -355532401)
+
+
 def test_digest_words_differ_for_different_text():
     assert wire.digest_words("hello world") != wire.digest_words("hello world!")
     assert wire.digest_words("") != wire.digest_words(" ")

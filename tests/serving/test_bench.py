@@ -1,6 +1,12 @@
-"""`meshserve bench` on the tiny model: both modes write what docs/benchmarks.md ("Output") promises."""
+"""`meshserve bench` on the tiny model: both modes write what docs/benchmarks.md ("Output")
+promises, stamped with the commit of the source tree they ran from (small git checkouts made by the
+tests, so the stamp does not depend on the state of this one), and refused from a dirty tree
+unless `--allow-dirty`."""
 
+import hashlib
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -14,14 +20,61 @@ SMALL = ["--model", "tiny-llama", "--num-pages", "64", "--max-num-seqs", "4",
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+def _git(repo, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True,
+                          text=True).stdout
+
+
+def _checkout(path):
+    """A committed, clean git checkout of a small tree: a module, prose, a result and a
+    workload input."""
+    for name, text in (("serving/engine.py", "STEP = 1\n"), ("README.md", "# readme\n"),
+                       ("benchmarks/results/run.json", "{}\n"),
+                       ("benchmarks/results/prompts.jsonl", '{"prompt": "hi"}\n')):
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_text(text)
+    _git(path, "init", "-q")
+    _git(path, "add", ".")
+    _git(path, "-c", "user.name=bench", "-c", "user.email=bench@localhost", "commit", "-qm", "base")
+    return path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def clean_checkout(tmp_path_factory):
+    """Every bench in this module runs "from" a clean checkout, not from this tree."""
+    repo = _checkout(tmp_path_factory.mktemp("clean"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bench, "SOURCE_DIR", repo / "serving")
+        yield repo
+
+
+@pytest.fixture
+def checkout(tmp_path, monkeypatch):
+    """A checkout of the test's own, to make dirty."""
+    repo = _checkout(tmp_path / "checkout")
+    monkeypatch.setattr(bench, "SOURCE_DIR", repo / "serving")
+    return repo
+
+
 @pytest.mark.parametrize("mode", ["offline", "online"])
-def test_bench_compares_both_policies_and_writes_the_results(mode, tmp_path, capsys):
+def test_bench_compares_both_policies_and_writes_the_results(mode, tmp_path, capsys, checkout):
+    """Offline runs from a dirty tree with --allow-dirty, online from a clean one."""
     out = tmp_path / "results.json"
-    extra = ["--rate", "50", "--slo-scale", "1"] if mode == "online" else []
+    extra = ["--rate", "50", "--slo-scale", "1"] if mode == "online" else ["--allow-dirty"]
+    if mode == "offline":
+        (checkout / "serving/engine.py").write_text("STEP = 2\n")
     assert main(["bench", "--mode", mode, "--workload", "fixed-12x6", "--num-requests", "10",
                  "--output", str(out), "--no-roofline", *SMALL, *extra]) == 0
     results = json.loads(out.read_text())
     assert results["mode"] == mode and results["environment"]["jax"]
+    stamp = {k: v for k, v in results["environment"].items() if k.startswith("git_")}
+    head = _git(checkout, "rev-parse", "HEAD").strip()
+    if mode == "offline":
+        assert stamp == {"git_commit": head, "git_dirty": True,
+                         "git_dirty_paths": ["serving/engine.py"],
+                         "git_diff_sha256": bench.source_tree(checkout).diff_sha256}
+    else:
+        assert stamp == {"git_commit": head, "git_dirty": False}
     for policy in ("continuous", "static"):
         r = results["results"][policy]
         assert r["compiles_after_warmup"] == 0 and r["preemptions"] == 0
@@ -79,6 +132,56 @@ def test_quick_run_writes_the_full_schema_plots_and_roofline(tmp_path, capsys):
         assert (tmp_path / name).read_bytes().startswith(PNG_MAGIC)
     printed = capsys.readouterr().out
     assert "floor/step" in printed and "frag mean" in printed and "hf: skipped" in printed
+
+
+def test_bench_refuses_to_stamp_a_result_from_a_dirty_tree(tmp_path, capsys, checkout):
+    (checkout / "serving/engine.py").write_text("STEP = 2\n")
+    out = tmp_path / "r.json"
+    assert main(["bench", "--output", str(out), *SMALL]) == 2
+    err = capsys.readouterr().err
+    assert "uncommitted changes (serving/engine.py)" in err and "--allow-dirty" in err
+    assert not out.exists()
+
+
+def test_a_clean_tree_is_its_commit_and_results_and_prose_do_not_dirty_it(checkout):
+    head = _git(checkout, "rev-parse", "HEAD").strip()
+    assert bench.source_tree(checkout / "serving") == bench.Provenance(head)
+    (checkout / "README.md").write_text("# changed\n")
+    (checkout / "benchmarks/results/run.json").write_text('{"new": 1}\n')
+    (checkout / "benchmarks/results/run-throughput.png").write_bytes(PNG_MAGIC)
+    assert bench.source_tree(checkout) == bench.Provenance(head)
+    assert bench.provenance(allow_dirty=False) == bench.Provenance(head)
+    outside = checkout.parent / "not-a-checkout"
+    outside.mkdir()
+    assert bench.source_tree(outside) == bench.Provenance(None)  # nothing to stamp or refuse
+    assert bench.Provenance(None).as_dict() == {"git_commit": None, "git_dirty": None}
+
+
+def test_a_dirty_tree_is_stamped_with_its_paths_and_the_hash_of_its_diff(checkout, tmp_path):
+    (checkout / "serving/engine.py").write_text("STEP = 2\n")
+    dirty = bench.source_tree(checkout)
+    assert dirty.dirty_paths == ("serving/engine.py",)
+    diff = subprocess.run(["git", "-C", str(checkout), "diff", "--binary", "HEAD"], check=True,
+                          capture_output=True).stdout
+    assert dirty.diff_sha256 == hashlib.sha256(diff).hexdigest()
+    # the same change to a clone of the same commit hashes the same; another change does not
+    clone = tmp_path / "clone"
+    _git(tmp_path, "clone", "-q", str(checkout), str(clone))
+    (clone / "serving/engine.py").write_text("STEP = 2\n")
+    assert bench.source_tree(clone) == dirty
+    (clone / "serving/engine.py").write_text("STEP = 3\n")
+    assert bench.source_tree(clone).diff_sha256 != dirty.diff_sha256
+    # a new file and a changed workload input count; the hash covers the new file's bytes
+    (checkout / "serving/extra.py").write_text("X = 1\n")
+    (checkout / "benchmarks/results/prompts.jsonl").write_text('{"prompt": "bye"}\n')
+    more = bench.source_tree(checkout)
+    assert more.dirty_paths == ("benchmarks/results/prompts.jsonl", "serving/engine.py",
+                                "serving/extra.py")
+    (checkout / "serving/extra.py").write_text("X = 2\n")
+    assert bench.source_tree(checkout).diff_sha256 != more.diff_sha256
+    with pytest.raises(ValueError, match=r"uncommitted changes \(benchmarks/results/prompts"):
+        bench.provenance(allow_dirty=False)
+    assert bench.provenance(allow_dirty=True) == bench.source_tree(checkout)
 
 
 def test_jsonl_workload_reads_token_ids_and_default_lengths(tmp_path):
@@ -192,20 +295,27 @@ def test_bench_needs_online_mode_and_slos_for_find_max_rate(capsys):
     assert "needs --slo-scale" in capsys.readouterr().err
 
 
-def test_hf_peer_without_torch_is_skipped_with_a_message(tmp_path, capsys):
-    pytest.importorskip("meshserve.serving.bench.peers")
-    try:
-        import torch  # noqa: F401
-        pytest.skip("torch is installed")
-    except ImportError:
-        pass
+def test_hf_peer_without_torch_is_skipped_with_a_message(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # not installed, as far as import can tell
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF" + bytes(60))
     requests = [bench.BenchRequest([1, 2, 3], 4)]
     peers = bench.run_peers(["hf"], str(gguf), requests, max_batch_size=4,
                             continuous={"output_tokens_per_s": 1.0})
-    assert set(peers["hf"]) == {"skipped"} and "torch" in peers["hf"]["skipped"]
+    assert set(peers["hf"]) == {"skipped"} and "torch is not installed" in peers["hf"]["skipped"]
     assert "peer hf skipped" in capsys.readouterr().out
+
+
+def test_an_installed_hf_peer_runs_beside_continuous_with_the_ratio(golden_dir):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    requests = [bench.BenchRequest([1, 2, 3], 4), bench.BenchRequest([4, 5], 2)]
+    peers = bench.run_peers(["hf"], str(golden_dir / "tiny-llama"), requests, max_batch_size=2,
+                            continuous={"output_tokens_per_s": 30.0})
+    hf = peers["hf"]
+    assert "skipped" not in hf and hf["output_tokens"] == 6
+    assert hf["ratio_continuous_output_tokens_per_s"] == pytest.approx(
+        30.0 / hf["output_tokens_per_s"])
 
 
 def test_bench_sweeps_concurrencies_for_the_throughput_plot(tmp_path):

@@ -2,8 +2,9 @@
 
 One server per module runs on its own tiny random Llama (token-id prompts; it has no
 tokenizer). The outputs `LLM.generate` gives are computed on that engine before the server
-takes it over. Servers with an api key or TLS run on a second engine, one at a time. The slow
-test serves the real SmolLM2 and checks `meshserve client` against `LLM.chat`.
+takes it over; a `StepGate` holds it where a cancel or a deadline must be seen to stop a request.
+Servers with an api key or TLS run on a second engine, on the arithmetic runner, one at a time.
+The slow test serves the real SmolLM2 and checks `meshserve client` against `LLM.chat`.
 """
 
 import asyncio
@@ -23,10 +24,14 @@ from meshserve.serving import cli
 from meshserve.serving.api import generation_pb2 as pb
 from meshserve.serving.client import (AsyncClient, Client, ClientError, Completion, StreamChunk,
                                       sampling_message)
+from meshserve.serving.config import EngineConfig
+from meshserve.serving.engine import Engine
 from meshserve.serving.llm import LLM
 from meshserve.serving.server import (SERVICE_NAME, GenerationServer, ServerConfig,
                                       _sampling_params)
-from tests.serving.served import ENGINE, pages_free, prompt_ids, wait_for
+from tests.serving.fake_runner import FakeModelRunner
+from tests.serving.served import (ENGINE, StepGate, pages_free, prompt_ids, record_aborts,
+                                  wait_for)
 
 
 
@@ -58,7 +63,14 @@ def llm():
 
 @pytest.fixture(scope="module")
 def spare_llm():
-    return LLM("tiny-llama", **ENGINE)
+    """For servers with an api key or TLS: an LLM on the arithmetic runner (nothing compiled;
+    `tests/serving/fake_runner.py`), one server at a time."""
+    config = EngineConfig(num_pages=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+                          prefill_chunk=8, max_model_len=64, compilation_cache=False)
+    spare = LLM.__new__(LLM)
+    spare.engine, spare.cluster, spare.tokenizer = (
+        Engine(FakeModelRunner(config), None, config), None, None)
+    return spare
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +87,15 @@ def reference(llm):
 def served(llm, reference):
     with _serving(llm) as (server, port):
         yield server, f"127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def gate(served):
+    """Holds the served engine between steps where a test says (open otherwise), so a request
+    that should stop early cannot pass by finishing on its own."""
+    gate = StepGate(served[0].engine)
+    yield gate
+    gate.open()
 
 
 @pytest.fixture(scope="module")
@@ -175,22 +196,36 @@ def test_abort_from_another_thread_ends_the_stream_with_abort(client, served):
     wait_for(lambda: pages_free(server))
 
 
-def test_cancel_ends_the_call_and_frees_the_pages(client, served):
+def test_cancel_ends_the_call_and_stops_the_request(client, served, gate, monkeypatch):
     server, _ = served
-    with client.stream(prompt_ids(5), _greedy(200)) as stream:
-        next(stream), next(stream)
-        stream.cancel()
-        with pytest.raises(ClientError) as err:
-            list(stream)
+    aborted = record_aborts(server.loop, monkeypatch)
+    gate.shut()
+    try:
+        with client.stream(prompt_ids(5), _greedy(200)) as stream:
+            gate.allow(2)  # 2 tokens of 200, then no step until the end
+            next(stream), next(stream)
+            stream.cancel()
+            with pytest.raises(ClientError) as err:
+                list(stream)
+        wait_for(lambda: aborted == [stream.request_id])
+    finally:
+        gate.open()
     assert err.value.code is grpc.StatusCode.CANCELLED
     wait_for(lambda: pages_free(server))
 
 
-def test_the_client_timeout_is_the_deadline(served):
+def test_the_client_timeout_is_the_deadline(served, gate, monkeypatch):
     server, target = served
-    with Client(target, timeout=0.3) as short:
-        with pytest.raises(ClientError) as err:
-            short.generate(prompt_ids(6), _greedy(240))
+    aborted = record_aborts(server.loop, monkeypatch)
+    gate.shut()
+    try:
+        with Client(target, timeout=0.3) as short:
+            gate.allow(2)  # 2 tokens of 240, then no step: only the deadline can end it
+            with pytest.raises(ClientError) as err:
+                short.generate(prompt_ids(6), _greedy(240), request_id="short")
+        wait_for(lambda: aborted == ["short"])
+    finally:
+        gate.open()
     assert err.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
     wait_for(lambda: pages_free(server))
 
@@ -216,12 +251,13 @@ def test_async_client_runs_16_concurrent_requests(served, reference):
     assert (info.model, health, aborted) == ("tiny-llama", "SERVING", False)
 
 
-def test_async_stream_cancel_raises_cancelled(served):
+def test_async_stream_cancel_raises_cancelled_and_stops_the_request(served, gate, monkeypatch):
     server, target = served
+    aborted = record_aborts(server.loop, monkeypatch)
 
     async def run():
         async with AsyncClient(target, timeout=60) as client:
-            stream = client.stream(prompt_ids(7), _greedy(200))
+            stream = client.stream(prompt_ids(7), _greedy(200), request_id="async-cancel")
             async with stream:
                 await stream.__anext__()
                 stream.cancel()
@@ -229,7 +265,13 @@ def test_async_stream_cancel_raises_cancelled(served):
                     await stream.__anext__()
             return err.value.code
 
-    assert asyncio.run(run()) is grpc.StatusCode.CANCELLED
+    gate.shut()
+    gate.allow(2)
+    try:
+        assert asyncio.run(run()) is grpc.StatusCode.CANCELLED
+        wait_for(lambda: aborted == ["async-cancel"])
+    finally:
+        gate.open()
     wait_for(lambda: pages_free(server))
 
 

@@ -2,9 +2,11 @@
 127.0.0.1 (port 0) beside the gRPC server, on one engine loop.
 
 On the arithmetic runner (`tests/serving/fake_runner.py`, nothing compiled): exact streamed tokens,
-64 concurrent streaming clients with random disconnects, every error status, the drain. A step is
-slowed to 5 ms where a test needs requests to stay in flight. On SmolLM2: the official `openai`
-client, plain and streamed, against `LLM.generate` and `LLM.chat`.
+64 concurrent streaming clients with random disconnects, every error status, the drain. Tests of
+disconnects and a full queue hold the engine behind a `StepGate`, which runs only the steps the
+test allows: a request that a disconnect should stop cannot pass by finishing on its own, and busy
+seats stay busy however fast or loaded the machine. On SmolLM2: the official `openai` client,
+plain and streamed, against `LLM.generate` and `LLM.chat`.
 """
 
 import http.client
@@ -27,7 +29,7 @@ from meshserve.serving.engine import Engine
 from meshserve.serving.llm import LLM
 from meshserve.serving.server import GenerationServer, ServerConfig
 from tests.serving.fake_runner import VOCAB, FakeModelRunner, reference_outputs
-from tests.serving.served import wait_for
+from tests.serving.served import StepGate, record_aborts, record_cancels, wait_for
 
 FAKE = dict(num_pages=256, page_size=4, max_num_seqs=8, max_num_batched_tokens=32,
             prefill_chunk=16, max_model_len=96, max_logprobs=3, compilation_cache=False)
@@ -42,6 +44,20 @@ def _fake_server(step_seconds: float = 0.0, **config) -> GenerationServer:
     server = GenerationServer(engine, ServerConfig(port=0, http_port=0, **config))
     server.start()
     return server
+
+
+@pytest.fixture
+def gated():
+    """A server on the arithmetic runner whose engine steps only as its `StepGate` allows (shut
+    at first); stopped afterwards, gate opened first."""
+    engine_config = EngineConfig(**FAKE)
+    engine = Engine(FakeModelRunner(engine_config), None, engine_config)
+    gate = StepGate(engine, shut=True)
+    server = GenerationServer(engine, ServerConfig(port=0, http_port=0, max_queued_requests=1))
+    server.start()
+    yield server, gate
+    gate.open()
+    server.stop()
 
 
 def _prompt(seed: int, length: int = 8) -> list[int]:
@@ -147,12 +163,18 @@ def test_a_whole_completion_and_the_models_and_health(fake):
     assert status == 200 and b"meshserve:generation_tokens_total" in metrics
 
 
-def test_64_concurrent_streams_with_random_disconnects_lose_nothing(fake):
-    """Every stream ends with its exact tokens, or was dropped by its client; the engine then
-    holds no request and no page."""
+def test_64_concurrent_streams_with_random_disconnects_lose_nothing(fake, monkeypatch):
+    """Every stream ends with its exact tokens, or was dropped by its client, and then aborted
+    before its end (a dropped stream asks for every token its length allows: at least 66, so
+    over 130 ms of 2 ms steps); the engine then holds no request and no page."""
     rng = np.random.default_rng(3)
-    plans = [(_prompt(100 + i, int(rng.integers(1, 30))), int(rng.integers(4, 50)),
-              int(rng.integers(1, 6)) if rng.random() < 0.4 else None) for i in range(64)]
+    plans = []
+    for i in range(64):
+        prompt = _prompt(100 + i, int(rng.integers(1, 30)))
+        drop_after = int(rng.integers(1, 6)) if rng.random() < 0.4 else None
+        max_tokens = int(rng.integers(4, 50)) if drop_after is None else 95 - len(prompt)
+        plans.append((prompt, max_tokens, drop_after))
+    aborted = record_aborts(fake.loop, monkeypatch)
 
     def client(plan):
         prompt, max_tokens, drop_after = plan
@@ -160,11 +182,10 @@ def test_64_concurrent_streams_with_random_disconnects_lose_nothing(fake):
                                              "logprobs": 0})
         events = _events(response)
         if drop_after is not None:
-            for _ in zip(range(drop_after), events):
-                pass
+            request_id = [event["id"] for _, event in zip(range(drop_after), events)][0]
             conn.sock.shutdown(2)  # gone mid-stream
             conn.close()
-            return "dropped"
+            return request_id
         tokens, finish = _streamed_tokens(events)
         conn.close()
         assert tokens == reference_outputs(prompt, max_tokens) and finish == "length"
@@ -172,9 +193,11 @@ def test_64_concurrent_streams_with_random_disconnects_lose_nothing(fake):
 
     with futures.ThreadPoolExecutor(64) as pool:
         outcomes = list(pool.map(client, plans))
+    dropped = {o for o in outcomes if o != "completed"}
     assert outcomes.count("completed") == sum(p[2] is None for p in plans) > 0
-    assert outcomes.count("dropped") > 0
+    assert len(dropped) == sum(p[2] is not None for p in plans) > 0
     wait_for(lambda: _pages_free(fake), timeout=30)
+    assert set(aborted) == dropped
 
 
 def test_the_load_generator_drives_the_http_front_end(fake):
@@ -192,14 +215,39 @@ def test_the_load_generator_drives_the_http_front_end(fake):
     assert timings[0].error == "INVALID_ARGUMENT"
 
 
-def test_a_client_that_disconnects_mid_stream_frees_its_pages(fake):
-    conn, response = _open_stream(fake, {"prompt": _prompt(4), "max_tokens": 80,
-                                         "logprobs": 0})
-    next(_events(response))
-    wait_for(lambda: fake.engine.scheduler.kv_usage().num_used_pages > 0)
+def test_a_client_that_disconnects_mid_stream_has_its_request_stopped(gated):
+    server, gate = gated
+    cancelled, aborted = record_cancels(server.loop), record_aborts(server.loop)
+    conn, response = _open_stream(server, {"prompt": _prompt(4), "max_tokens": 80,
+                                           "logprobs": 0})
+    gate.allow(2)  # the prompt's step and one decode: 2 tokens of 80
+    events = _events(response)
+    request_id = next(events)["id"]
+    next(events)
+    assert server.engine.scheduler.kv_usage().num_used_pages > 0
     conn.sock.shutdown(2)
     conn.close()
-    wait_for(lambda: _pages_free(fake))
+    wait_for(lambda: cancelled == [request_id])  # the disconnect reached the engine loop
+    gate.open()
+    wait_for(lambda: _pages_free(server))
+    assert aborted == [request_id] and server.engine.stats.num_steps == 2  # not its 80 tokens
+
+
+def test_a_client_that_disconnects_before_a_whole_completion_has_its_request_stopped(gated):
+    """Not streamed: the server notices the disconnect while it waits for the whole answer."""
+    server, gate = gated
+    cancelled, aborted = record_cancels(server.loop), record_aborts(server.loop)
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": _prompt(5), "max_tokens": 80}),
+                 {"Content-Type": "application/json"})
+    gate.allow(2)
+    wait_for(lambda: server.engine.stats.num_steps == 2)
+    conn.sock.shutdown(2)
+    conn.close()
+    wait_for(lambda: len(cancelled) == 1)
+    gate.open()
+    wait_for(lambda: _pages_free(server))
+    assert aborted == cancelled and server.engine.stats.num_steps == 2
 
 
 @pytest.mark.parametrize("body,param,words", [
@@ -262,31 +310,31 @@ def test_an_api_key_is_required_as_a_bearer_token_on_v1_only(tmp_path):
         server.stop()
 
 
-def test_a_full_queue_is_429_with_retry_after_at_once():
-    """8 seats taken by long streams, one request waiting: the next is refused at once."""
-    server = _fake_server(step_seconds=0.005, max_queued_requests=1)
-    try:
-        seated = []
-        for i in range(8):  # one at a time, so the queue never holds two of them
-            seated.append(_open_stream(server, {"prompt": _prompt(10 + i), "max_tokens": 80,
-                                                "logprobs": 0}))
-            next(_events(seated[-1][1]))
-        waiting = _open_stream(server, {"prompt": _prompt(20), "max_tokens": 2})
-        wait_for(lambda: server.engine.scheduler.num_waiting == 1)
-        started = time.monotonic()
-        status, headers, answer = _post(server, "/v1/completions",
-                                        {"prompt": _prompt(21), "max_tokens": 2})
-        assert status == 429 and headers["retry-after"] == "1"
-        assert "max_queued_requests=1" in answer["error"]["message"]
-        assert time.monotonic() - started < 5
-        for conn, _ in seated:
-            conn.sock.shutdown(2)
-            conn.close()
-        assert _streamed_tokens(_events(waiting[1]))[1] == "length"
-        waiting[0].close()
-        wait_for(lambda: _pages_free(server))
-    finally:
-        server.stop()
+def test_a_full_queue_is_429_with_retry_after_at_once(gated):
+    """8 seats taken by long streams, one request waiting: the next is refused at once. The
+    engine steps only while seating, so no seat frees before the end."""
+    server, gate = gated  # max_queued_requests=1
+    seated = []
+    for i in range(8):  # one at a time, so the queue never holds two of them
+        seated.append(_open_stream(server, {"prompt": _prompt(10 + i), "max_tokens": 80,
+                                            "logprobs": 0}))
+        gate.step_until(lambda: server.loop.load.num_running == i + 1)
+    waiting = _open_stream(server, {"prompt": _prompt(20), "max_tokens": 2})
+    wait_for(lambda: server.loop.load.num_waiting == 1)
+    started = time.monotonic()
+    status, headers, answer = _post(server, "/v1/completions",
+                                    {"prompt": _prompt(21), "max_tokens": 2})
+    assert status == 429 and headers["retry-after"] == "1"
+    assert "max_queued_requests=1" in answer["error"]["message"]
+    assert time.monotonic() - started < 5
+    assert server.loop.load.num_running == 8  # no seat freed meanwhile
+    for conn, _ in seated:
+        conn.sock.shutdown(2)
+        conn.close()
+    gate.open()
+    assert _streamed_tokens(_events(waiting[1]))[1] == "length"
+    waiting[0].close()
+    wait_for(lambda: _pages_free(server))
 
 
 def test_drain_is_503_on_health_and_new_requests_and_lets_streams_finish():
@@ -393,8 +441,9 @@ def smol_served(smollm2_files):
     engine has one owner at a time)."""
     llm = LLM(str(smollm2_files.path), **SMOL)
     greedy = SamplingParams(max_tokens=12, temperature=0)
+    with_logprobs = SamplingParams(max_tokens=12, temperature=0, logprobs=2)
     want = {"text": llm.generate([TEXT], greedy, use_tqdm=False)[0].outputs[0],
-            "chat": llm.chat(MESSAGES, greedy, use_tqdm=False)[0].outputs[0]}
+            "chat": llm.chat(MESSAGES, with_logprobs, use_tqdm=False)[0].outputs[0]}
     server = GenerationServer(llm.engine, ServerConfig(port=0, http_port=0))
     server.start()
     yield server, llm, want
@@ -435,8 +484,16 @@ def test_openai_chat_equals_llm_chat_plain_and_streamed(smol_served, client):
                                           temperature=0, logprobs=True, top_logprobs=2)
     assert done.choices[0].message.content == want["chat"].text
     assert done.choices[0].finish_reason == want["chat"].finish_reason
-    assert len(done.choices[0].logprobs.content) == len(want["chat"].token_ids)
-    assert all(len(lp.top_logprobs) == 2 for lp in done.choices[0].logprobs.content)
+    content = done.choices[0].logprobs.content
+    assert len(content) == len(want["chat"].token_ids)
+    for got, token, entry in zip(content, want["chat"].token_ids, want["chat"].logprobs):
+        top = sorted((lp for lp in entry.values() if lp.rank <= 2), key=lambda lp: lp.rank)
+        assert got.token == entry[token].decoded_token
+        assert bytes(got.bytes).decode() == got.token
+        assert [t.token for t in got.top_logprobs] == [lp.decoded_token for lp in top]
+        np.testing.assert_allclose([got.logprob] + [t.logprob for t in got.top_logprobs],
+                                   [entry[token].logprob] + [lp.logprob for lp in top],
+                                   atol=1e-4)
     stream = client.chat.completions.create(model=model, messages=MESSAGES,
                                             max_completion_tokens=12, temperature=0, stream=True)
     deltas = [c.choices[0].delta for c in stream]

@@ -34,8 +34,9 @@ def sweep(tmp_path_factory):
     """1x1x1 and 1x1x2 measured; 1x3x1 cannot split tiny-llama's 2 layers. About 1.5 minutes
     on two cores: the tests reading it are marked slow."""
     out = tmp_path_factory.mktemp("sweep") / "sweep.json"
+    # --allow-dirty: the stamp is this tree's, committed or not (test_bench.py tests it)
     assert main(["mesh-sweep", "--meshes", "1x1x1,1x1x2,1x3x1", "--output", str(out),
-                 *WORKLOAD, *SMALL]) == 0
+                 "--allow-dirty", *WORKLOAD, *SMALL]) == 0
     return out, json.loads(out.read_text())
 
 
@@ -43,7 +44,7 @@ def sweep(tmp_path_factory):
 def test_the_json_holds_every_measurement(sweep):
     _, results = sweep
     assert results["schema_version"] == 1 and results["command"].startswith("meshserve mesh-sweep")
-    assert {"git_commit", "machine", "jax", "devices"} <= set(results["environment"])
+    assert {"git_commit", "git_dirty", "machine", "jax", "devices"} <= set(results["environment"])
     assert results["machine"]["bandwidth"] > 0 and results["concurrency"] == 2
     assert [m["mesh"] for m in results["meshes"]] == ["1x1x1", "1x1x2", "1x3x1"]
     for record in results["meshes"][:2]:

@@ -1,8 +1,12 @@
 """`meshserve.serving.bench.peers`: optional peers run when installed and are skipped cleanly if
-not."""
+not. The missing-library branch runs everywhere, with the peer's modules hidden from import
+(`hide_modules`), whether or not they are installed; the installed branch needs the extras and
+skips without them."""
 
+import importlib
 import importlib.util
 import json
+import sys
 
 import pytest
 
@@ -19,6 +23,13 @@ def installed(peer: str) -> bool:
     return all(importlib.util.find_spec(m) is not None for m in MODULES[peer])
 
 
+def hide_modules(monkeypatch, *names: str) -> None:
+    """Makes `import name` fail as if the module were not installed, for one test (a None in
+    sys.modules stops the import system, installed or not, loaded before or not)."""
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
 @pytest.fixture
 def fake_gguf(tmp_path):
     path = tmp_path / "model.gguf"
@@ -32,10 +43,9 @@ def test_an_unknown_peer_names_the_known_ones():
 
 
 @pytest.mark.parametrize("peer", PEERS)
-def test_a_missing_library_says_what_to_install(peer, fake_gguf):
-    if installed(peer):
-        pytest.skip(f"{peer} is installed")
-    hint = rf"not installed.*pip install 'meshserve\[{EXTRAS[peer]}\]'"
+def test_a_missing_library_says_what_to_install(peer, fake_gguf, monkeypatch):
+    hide_modules(monkeypatch, *MODULES[peer])
+    hint = rf"{MODULES[peer][0]} is not installed.*pip install 'meshserve\[{EXTRAS[peer]}\]'"
     with pytest.raises(PeerUnavailable, match=hint):
         run_peer(peer, str(fake_gguf), REQUESTS)
 
@@ -69,6 +79,15 @@ def test_a_meshserve_checkpoint_is_unavailable(peer, tmp_path):
 def test_empty_requests_are_rejected():
     with pytest.raises(ValueError, match="at least one request"):
         run_peer("hf", "tiny-llama", [])
+
+
+def test_an_installed_hf_peer_runs_a_real_checkpoint(golden_dir):
+    if not installed("hf"):
+        pytest.skip("hf is not installed; pip install 'meshserve[peers-hf]'")
+    result = run_peer("hf", str(golden_dir / "tiny-llama"), REQUESTS, max_batch_size=2,
+                      threads=1)
+    assert result["peer"] == "hf" and result["output_tokens"] == 8 and result["wall_s"] > 0
+    assert result["version"] == importlib.import_module("transformers").__version__
 
 
 @pytest.mark.slow

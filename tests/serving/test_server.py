@@ -1,8 +1,12 @@
 """The gRPC server for real: a server on 127.0.0.1 (port 0) in this process, real gRPC clients.
 
-Most tests share one server on the tiny random Llama (token-id prompts). Servers with other
-settings (small queues, an api key, TLS, an engine that fails) are started per test. The drain
-test runs `meshserve serve` in a subprocess and sends it SIGTERM.
+On the tiny random Llama (token-id prompts), one shared server: streamed tokens and logprobs
+against `LLM.generate`, bad input, server info, health and reflection. Servers with other settings
+(cancellation, disconnects, deadlines, queue bounds, an api key, TLS, metrics, drain, an engine
+that fails) are started per test on the arithmetic runner (`tests/serving/fake_runner.py`, nothing
+compiled), behind a `StepGate`: the engine computes only the steps the test allows, so a request
+that should have been stopped early cannot pass by finishing on its own, and busy seats stay busy
+however fast or loaded the machine. The SIGTERM drain runs `meshserve serve` in a subprocess.
 """
 
 import os
@@ -24,10 +28,18 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from meshserve.batching.sampling import SamplingParams
 from meshserve.serving.api import generation_pb2 as pb
 from meshserve.serving.api import generation_pb2_grpc as pb_grpc
+from meshserve.serving.config import EngineConfig
+from meshserve.serving.engine import Engine
 from meshserve.serving.llm import LLM
 from meshserve.serving.server import SERVICE_NAME, GenerationServer, ServerConfig
-from tests.serving.served import ENGINE, pages_free, prompt_ids, wait_for
+from tests.serving.fake_runner import VOCAB, FakeModelRunner
+from tests.serving.served import (ENGINE, StepGate, pages_free, prompt_ids, record_aborts,
+                                  record_cancels, wait_for)
 
+# The arithmetic runner's engine: room for 8 requests of 200 tokens, and 8 prompts of 12 tokens
+# prefilled in one step.
+FAKE = dict(num_pages=512, page_size=4, max_num_seqs=8, max_num_batched_tokens=128,
+            prefill_chunk=16, max_model_len=512, max_logprobs=3, compilation_cache=False)
 
 
 def _greedy(max_tokens: int, **fields) -> pb.SamplingParams:
@@ -55,30 +67,37 @@ def _start(llm: LLM, **config) -> tuple[GenerationServer, grpc.Channel]:
 
 
 @pytest.fixture
-def start(spare_llm):
-    """Starts servers with other settings on a second engine (an engine has one server at a
-    time) and stops them afterwards, whatever the test did."""
+def start():
+    """Starts gRPC servers with other settings on the arithmetic runner (nothing compiled), each
+    engine behind a `StepGate` (shut at first with `shut=True`; `step_seconds` slows each step),
+    and stops them afterwards (gate opened first), whatever the test did."""
     started = []
 
-    def start_server(**config):
-        server, channel = _start(spare_llm, **config)
-        started.append((server, channel))
-        return server, channel
+    def start_server(*, shut: bool = False, step_seconds: float = 0.0, **config):
+        engine_config = EngineConfig(**FAKE)
+        engine = Engine(FakeModelRunner(engine_config), None, engine_config)
+        if step_seconds:
+            step = engine.step
+            engine.step = lambda: (time.sleep(step_seconds), step())[1]
+        gate = StepGate(engine, shut=shut)
+        server = GenerationServer(engine, ServerConfig(port=0, **config))
+        channel = grpc.insecure_channel(f"127.0.0.1:{server.start()}")
+        started.append((server, channel, gate))
+        return server, pb_grpc.GenerationStub(channel), gate
 
     yield start_server
-    for server, channel in started:
+    for server, channel, gate in started:
+        gate.open()
         channel.close()
         server.stop()
 
 
+def _fake_prompt(seed: int, length: int = 12) -> list[int]:
+    return np.random.default_rng(seed).integers(0, VOCAB, size=length).tolist()
+
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("tiny-llama", **ENGINE)
-
-
-@pytest.fixture(scope="module")
-def spare_llm():
     return LLM("tiny-llama", **ENGINE)
 
 
@@ -91,17 +110,28 @@ def served(llm):
 
 
 @pytest.fixture(scope="module")
-def reference():
-    """Tokens that `LLM.generate` gives, from a separate LLM with the same weights."""
-    other = LLM("tiny-llama", **ENGINE)
+def other_llm(llm):
+    """An LLM with an engine of its own that is never served, on the served LLM's runner (its
+    weights and compiled programs, nothing compiled twice): what `LLM.generate` gives. Engines
+    sharing a runner take turns with its KV cache, so it runs only while the served engine is
+    idle (every test here waits for its own requests to end)."""
+    other = LLM.__new__(LLM)
+    other.cluster, other.tokenizer = None, llm.tokenizer
+    other.engine = Engine(llm.engine.runner, llm.tokenizer, llm.engine.config,
+                          model=llm.engine.model)
+    return other
+
+
+@pytest.fixture(scope="module")
+def reference(other_llm):
+    """The tokens `LLM.generate` gives."""
 
     def tokens(prompts, max_tokens):
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        outputs = other.generate(prompts, params, use_tqdm=False)
+        outputs = other_llm.generate(prompts, params, use_tqdm=False)
         return [o.outputs[0].token_ids for o in outputs]
 
     return tokens
-
 
 
 def test_streamed_tokens_equal_llm_generate(served, reference):
@@ -140,13 +170,49 @@ def test_64_concurrent_streams_all_complete_correctly(served, reference):
     assert got == want
 
 
-def test_a_cancel_mid_stream_frees_the_pages(served):
-    server, stub = served
-    call = stub.Generate(_request(prompt_ids(2), _greedy(200)), timeout=60)
-    next(call), next(call)  # streaming
+def test_a_cancel_mid_stream_stops_the_request_at_once_and_frees_its_pages(start):
+    server, stub, gate = start(shut=True)
+    cancelled, aborted = record_cancels(server.loop), record_aborts(server.loop)
+    call = stub.Generate(_request(_fake_prompt(2), _greedy(200), request_id="gone"), timeout=60)
+    gate.allow(2)  # the prompt's step and one decode: 2 tokens of 200
+    next(call), next(call)
     assert server.engine.scheduler.kv_usage().num_used_pages > 0
     call.cancel()
+    wait_for(lambda: cancelled == ["gone"])  # the disconnect callback reached the engine loop
+    gate.open()
     wait_for(lambda: pages_free(server))
+    assert aborted == ["gone"] and server.engine.stats.num_steps == 2  # not its 200 tokens
+
+
+_KILLED_CLIENT = """
+import sys, grpc
+from meshserve.serving.api import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
+stub = pb_grpc.GenerationStub(grpc.insecure_channel(sys.argv[1]))
+request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[int(t) for t in sys.argv[2:]]),
+                             request_id="killed", sampling=pb.SamplingParams(
+                                 max_tokens=200, temperature=0, ignore_eos=True))
+for response in stub.Generate(request, timeout=60):
+    print(len(response.chunk.token_ids), flush=True)
+"""
+
+
+def test_a_client_process_that_dies_mid_stream_has_its_request_stopped(start):
+    """The client's process is killed (its connection drops, nothing is cancelled politely):
+    the server's disconnect callback aborts the request at the next step."""
+    server, _, gate = start(shut=True)
+    cancelled, aborted = record_cancels(server.loop), record_aborts(server.loop)
+    client = subprocess.Popen([sys.executable, "-c", _KILLED_CLIENT, f"127.0.0.1:{server.port}",
+                               *map(str, _fake_prompt(3))], stdout=subprocess.PIPE, text=True)
+    try:
+        gate.allow(2)
+        assert [client.stdout.readline(), client.stdout.readline()] == ["1\n", "1\n"]
+    finally:
+        client.kill()
+        client.wait()
+    wait_for(lambda: cancelled == ["killed"])
+    gate.open()
+    wait_for(lambda: pages_free(server))
+    assert aborted == ["killed"] and server.engine.stats.num_steps == 2
 
 
 def test_abort_by_id_ends_the_stream_with_abort(served):
@@ -160,12 +226,18 @@ def test_abort_by_id_ends_the_stream_with_abort(served):
     wait_for(lambda: pages_free(server))
 
 
-def test_a_passed_deadline_is_deadline_exceeded_and_frees_pages(served):
-    server, stub = served
+def test_a_passed_deadline_is_deadline_exceeded_and_stops_the_request(start):
+    server, stub, gate = start(shut=True)
+    aborted = record_aborts(server.loop)
+    call = stub.Generate(_request(_fake_prompt(4), _greedy(200), request_id="late"), timeout=0.5)
+    gate.allow(2)
     with pytest.raises(grpc.RpcError) as err:
-        _collect(stub.Generate(_request(prompt_ids(4), _greedy(240)), timeout=0.3))
+        _collect(call)
     assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_for(lambda: aborted == ["late"])  # while no step can run: the deadline ended it
+    gate.open()
     wait_for(lambda: pages_free(server))
+    assert server.engine.stats.num_steps <= 2  # of 200
 
 
 @pytest.mark.parametrize("request_,field", [
@@ -210,69 +282,80 @@ def test_server_info_health_and_reflection(served, llm):
 
 def test_a_full_queue_is_resource_exhausted_at_once(start):
     """All 8 seats busy: one 15-token prompt waits, and the next one would take the queued
-    prompt tokens past 20. A prompt that alone exceeds the bound can never run: it is invalid."""
-    server, channel = start(max_queued_prompt_tokens=20)
-    stub = pb_grpc.GenerationStub(channel)
+    prompt tokens past 20. A prompt that alone exceeds the bound can never run: it is invalid.
+    The engine steps only while seating, so no seat frees before the end."""
+    server, stub, gate = start(shut=True, max_queued_prompt_tokens=20)
     seated = []
     for i in range(8):  # one at a time, so the queue never holds two of them
-        seated.append(stub.Generate(_request(prompt_ids(i), _greedy(200)), timeout=60))
-        next(seated[-1])
-    waiting = stub.Generate(_request(prompt_ids(50, length=15), _greedy(2)), timeout=60)
-    wait_for(lambda: server.engine.scheduler.num_waiting == 1)
+        seated.append(stub.Generate(_request(_fake_prompt(i), _greedy(200)), timeout=60))
+        gate.step_until(lambda: server.loop.load.num_running == i + 1)
+    waiting = stub.Generate(_request(_fake_prompt(50, length=15), _greedy(2)), timeout=60)
+    wait_for(lambda: server.loop.load.num_waiting == 1)
     started = time.monotonic()
     with pytest.raises(grpc.RpcError) as err:
-        _collect(stub.Generate(_request(prompt_ids(51, length=15), _greedy(2)), timeout=30))
+        _collect(stub.Generate(_request(_fake_prompt(51, length=15), _greedy(2)), timeout=30))
     assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "max_queued_prompt_tokens=20" in err.value.details()
     assert time.monotonic() - started < 5
     with pytest.raises(grpc.RpcError) as err:
-        _collect(stub.Generate(_request(prompt_ids(52, length=21), _greedy(2)), timeout=30))
+        _collect(stub.Generate(_request(_fake_prompt(52, length=21), _greedy(2)), timeout=30))
     assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert "max prompt length of 20" in err.value.details()
+    assert server.loop.load.num_running == 8  # no seat freed meanwhile
     for call in seated:
         call.cancel()
+    gate.open()
     assert _collect(waiting)[1].finish_reason == "length"
     wait_for(lambda: pages_free(server))
 
 
 def test_the_request_bound_refuses_the_excess_of_a_burst(start):
-    server, channel = start(max_queued_requests=2)
-    stub = pb_grpc.GenerationStub(channel)
+    """40 requests at once with room for 2 in the queue, and no step until the other 38 have
+    their answer: exactly 2 are admitted, and they complete."""
+    server, stub, gate = start(shut=True, max_queued_requests=2)
 
     def one(i):
         try:
-            return _collect(stub.Generate(_request(prompt_ids(i), _greedy(40)), timeout=60))[1]
+            return _collect(stub.Generate(_request(_fake_prompt(i), _greedy(40)), timeout=60))[1]
         except grpc.RpcError as err:
             return err.code()
 
     with futures.ThreadPoolExecutor(40) as pool:
-        results = list(pool.map(one, range(40)))
+        calls = [pool.submit(one, i) for i in range(40)]
+        wait_for(lambda: sum(call.done() for call in calls) == 38)
+        gate.open()
+        results = [call.result() for call in calls]
     refused = [r for r in results if r is grpc.StatusCode.RESOURCE_EXHAUSTED]
     done = [r for r in results if isinstance(r, pb.Final)]
-    assert refused and done and len(refused) + len(done) == 40
+    assert (len(refused), len(done)) == (38, 2)
+    assert all(final.finish_reason == "length" for final in done)
     wait_for(lambda: pages_free(server))
 
 
-def test_max_queue_time_fails_a_waiting_request(start):
-    server, channel = start(max_queue_time=0.2)
-    stub = pb_grpc.GenerationStub(channel)
-    calls = [stub.Generate(_request(prompt_ids(i), _greedy(120)), timeout=60) for i in range(12)]
-    codes = []
-    for call in calls:  # 8 seats: the last 4 wait far longer than 0.2 s
-        try:
+def test_max_queue_time_fails_the_requests_left_waiting(start):
+    """8 requests take the 8 seats (each seated by the step after it arrives), then no step
+    runs: the 4 that come next wait past the max queue time and fail; the 8 then finish."""
+    server, stub, gate = start(shut=True, max_queue_time=0.5)
+    seated = []
+    for i in range(8):
+        seated.append(stub.Generate(_request(_fake_prompt(i), _greedy(120)), timeout=60))
+        gate.step_until(lambda: server.loop.load.num_running == i + 1)
+    late = [stub.Generate(_request(_fake_prompt(i), _greedy(120)), timeout=60)
+            for i in range(8, 12)]
+    for call in late:
+        with pytest.raises(grpc.RpcError) as err:
             _collect(call)
-            codes.append(grpc.StatusCode.OK)
-        except grpc.RpcError as err:
-            codes.append(err.code())
-    assert grpc.StatusCode.DEADLINE_EXCEEDED in codes and grpc.StatusCode.OK in codes
+        assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "max queue time of 0.5 s" in err.value.details()
+    gate.open()
+    assert [_collect(call)[1].finish_reason for call in seated] == ["length"] * 8
     wait_for(lambda: pages_free(server))
 
 
 def test_an_api_key_is_required_on_generation_but_not_on_health(start, tmp_path):
     key_file = tmp_path / "key"
     key_file.write_text("s3cret\n")
-    server, channel = start(api_key_file=str(key_file))
-    stub = pb_grpc.GenerationStub(channel)
+    server, stub, _ = start(api_key_file=str(key_file))
     for metadata in (None, (("authorization", "Bearer wrong"),)):
         with pytest.raises(grpc.RpcError) as err:
             _collect(stub.Generate(_request([5, 6], _greedy(2)), metadata=metadata, timeout=30))
@@ -284,39 +367,31 @@ def test_an_api_key_is_required_on_generation_but_not_on_health(start, tmp_path)
         good = (("authorization", f"{scheme} s3cret"),)
         assert _collect(stub.Generate(_request([5, 6], _greedy(2)), metadata=good,
                                       timeout=30))[1]
-    health = health_pb2_grpc.HealthStub(channel)
-    assert health.Check(health_pb2.HealthCheckRequest()).status == (
-        health_pb2.HealthCheckResponse.SERVING)
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        assert health.Check(health_pb2.HealthCheckRequest()).status == (
+            health_pb2.HealthCheckResponse.SERVING)
 
 
-def test_tls_serves_a_client_that_trusts_the_certificate_and_refuses_plaintext(spare_llm,
-                                                                               tmp_path):
+def test_tls_serves_a_client_that_trusts_the_certificate_and_refuses_plaintext(start, tmp_path):
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
                     "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
                     "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
-    server = GenerationServer(spare_llm.engine, ServerConfig(port=0, tls_cert=str(cert),
-                                                             tls_key=str(key)))
-    port = server.start()
-    try:
-        credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
-        with grpc.secure_channel(f"localhost:{port}", credentials) as secure:
-            stub = pb_grpc.GenerationStub(secure)
-            assert _collect(stub.Generate(_request([5, 6], _greedy(2)), timeout=30))[1]
-        with grpc.insecure_channel(f"localhost:{port}") as plain:
-            with pytest.raises(grpc.RpcError) as err:
-                pb_grpc.GenerationStub(plain).GetServerInfo(pb.GetServerInfoRequest(), timeout=5)
-        assert err.value.code() is grpc.StatusCode.UNAVAILABLE
-    finally:
-        server.stop()
+    server, _, _ = start(tls_cert=str(cert), tls_key=str(key))
+    credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+    with grpc.secure_channel(f"localhost:{server.port}", credentials) as secure:
+        stub = pb_grpc.GenerationStub(secure)
+        assert _collect(stub.Generate(_request([5, 6], _greedy(2)), timeout=30))[1]
+    with grpc.insecure_channel(f"localhost:{server.port}") as plain:
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.GenerationStub(plain).GetServerInfo(pb.GetServerInfoRequest(), timeout=5)
+    assert err.value.code() is grpc.StatusCode.UNAVAILABLE
 
 
-def test_an_engine_failure_flips_health_and_fails_streams_with_internal():
-    llm = LLM("tiny-llama", **ENGINE)
-    server, channel = _start(llm)
-    stub = pb_grpc.GenerationStub(channel)
-    health = health_pb2_grpc.HealthStub(channel)
-    step, calls = llm.engine.step, []
+def test_an_engine_failure_flips_health_and_fails_streams_with_internal(start):
+    server, stub, _ = start()
+    step, calls = server.engine.step, []
 
     def failing_step():
         calls.append(1)
@@ -324,8 +399,10 @@ def test_an_engine_failure_flips_health_and_fails_streams_with_internal():
             raise RuntimeError("device lost")
         return step()
 
-    llm.engine.step = failing_step
+    server.engine.step = failing_step
     statuses = []
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    health = health_pb2_grpc.HealthStub(channel)
 
     def watch():
         try:
@@ -338,7 +415,7 @@ def test_an_engine_failure_flips_health_and_fails_streams_with_internal():
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     with pytest.raises(grpc.RpcError) as err:
-        _collect(stub.Generate(_request(prompt_ids(6), _greedy(50)), timeout=30))
+        _collect(stub.Generate(_request(_fake_prompt(6), _greedy(50)), timeout=30))
     assert err.value.code() is grpc.StatusCode.INTERNAL
     assert "device lost" in err.value.details()
     assert server.wait() is False
@@ -349,27 +426,30 @@ def test_an_engine_failure_flips_health_and_fails_streams_with_internal():
 
 def test_a_bounded_load_test_loses_nothing(start):
     """8 clients x 12 requests, some cancelled and some with tight deadlines, against small
-    queue bounds: every request ends completed or with an explicit status, and the pages are all
-    free at the end."""
-    server, channel = start(max_queued_requests=6)
-    stub = pb_grpc.GenerationStub(channel)
+    queue bounds: every request ends completed or with an explicit status, every cancelled one
+    was aborted before its end (it asks for 400 tokens: 0.8 s of 2 ms steps), and the pages are
+    all free at the end."""
+    server, stub, _ = start(step_seconds=0.002, max_queued_requests=6)
+    aborted = record_aborts(server.loop)
     rng = np.random.default_rng(7)
-    outcomes = []
+    outcomes, cancelled = [], []
 
     def client(c):
         for i in range(12):
-            prompt = prompt_ids(1000 + 12 * c + i, length=int(rng.integers(2, 60)))
+            prompt = _fake_prompt(1000 + 12 * c + i, length=int(rng.integers(2, 60)))
             timeout = 0.2 if i % 5 == 4 else 60
             try:
-                call = stub.Generate(_request(prompt, _greedy(int(rng.integers(1, 30)))),
-                                     timeout=timeout)
                 if i % 7 == 6:
+                    call = stub.Generate(_request(prompt, _greedy(400), request_id=f"c{c}"),
+                                         timeout=timeout)
                     next(call)
                     call.cancel()
+                    cancelled.append(f"c{c}")
                     outcomes.append("cancelled")
                     continue
-                final = _collect(call)[1]
-                outcomes.append(final.finish_reason)
+                call = stub.Generate(_request(prompt, _greedy(int(rng.integers(1, 30)))),
+                                     timeout=timeout)
+                outcomes.append(_collect(call)[1].finish_reason)
             except grpc.RpcError as err:
                 outcomes.append(err.code().name)
 
@@ -383,8 +463,9 @@ def test_a_bounded_load_test_loses_nothing(start):
     assert len(outcomes) == 96
     assert set(outcomes) <= {"length", "cancelled", "CANCELLED", "RESOURCE_EXHAUSTED",
                              "DEADLINE_EXCEEDED"}, set(outcomes)
-    assert outcomes.count("length") > 0
+    assert outcomes.count("length") > 0 and cancelled
     wait_for(lambda: pages_free(server))
+    assert set(cancelled) <= set(aborted)
     assert not server._inflight
 
 
@@ -419,16 +500,16 @@ def test_sigterm_drains_in_flight_streams_then_exits_zero(tmp_path):
 def test_metrics_are_scraped_over_http(start):
     import urllib.request
 
-    server, channel = start(metrics_port=0)
-    stub = pb_grpc.GenerationStub(channel)
-    _collect(stub.Generate(_request(prompt_ids(11), _greedy(5)), timeout=30))
+    server, stub, _ = start(metrics_port=0)
+    _collect(stub.Generate(_request(_fake_prompt(11), _greedy(5)), timeout=30))
     with pytest.raises(grpc.RpcError):
         _collect(stub.Generate(_request([5], pb.SamplingParams(temperature=-1)), timeout=30))
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
                                   timeout=10).read().decode()
-    assert 'meshserve:generation_tokens_total{model_name="tiny-llama"} 5.0' in text
-    assert 'meshserve:time_to_first_token_seconds_count{model_name="tiny-llama"} 1.0' in text
-    assert 'meshserve:requests_rejected_total{model_name="tiny-llama",reason="invalid"} 1.0' in text
+    model = 'model_name="fake-arithmetic"'
+    assert f"meshserve:generation_tokens_total{{{model}}} 5.0" in text
+    assert f"meshserve:time_to_first_token_seconds_count{{{model}}} 1.0" in text
+    assert f'meshserve:requests_rejected_total{{{model},reason="invalid"}} 1.0' in text
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                  "num_preemptions_total", "prompt_tokens_total", "e2e_request_latency_seconds",
                  "inter_token_latency_seconds", "prefill_padding_ratio", "recompiles_total",
@@ -437,23 +518,29 @@ def test_metrics_are_scraped_over_http(start):
 
 
 def test_drain_refuses_new_requests_and_lets_in_flight_ones_finish(start):
-    server, channel = start()
-    stub = pb_grpc.GenerationStub(channel)
+    """No step runs between the first token and the drain's refusals, so the request is still
+    in flight when the drain starts; it then runs to its end."""
+    server, stub, gate = start(shut=True)
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
     health = health_pb2_grpc.HealthStub(channel)
-    call = stub.Generate(_request(prompt_ids(12), _greedy(240)), timeout=60)
+    call = stub.Generate(_request(_fake_prompt(12), _greedy(240)), timeout=60)
+    gate.allow(2)
     first = next(call)
     drainer = threading.Thread(target=server.drain, kwargs=dict(timeout=60))
     drainer.start()
     wait_for(lambda: health.Check(health_pb2.HealthCheckRequest()).status
-              == health_pb2.HealthCheckResponse.NOT_SERVING)
+             == health_pb2.HealthCheckResponse.NOT_SERVING)
     with pytest.raises(grpc.RpcError) as err:
         _collect(stub.Generate(_request([5, 6], _greedy(2)), timeout=30))
     assert err.value.code() is grpc.StatusCode.UNAVAILABLE and "draining" in err.value.details()
+    assert server.engine.stats.num_steps <= 2
+    gate.open()
     tokens, final = _collect(call)
     assert final.finish_reason == "length" and len(first.chunk.token_ids) + len(tokens) == 240
     drainer.join(timeout=60)
     assert server.wait() is True
     assert pages_free(server)
+    channel.close()
 
 
 @pytest.mark.slow
@@ -478,7 +565,7 @@ def test_smollm2_chat_stream_adds_up_to_llm_chat_with_a_stop_string():
         server.stop()
 
 
-def test_prompt_logprobs_come_in_the_final_message(served, llm):
+def test_prompt_logprobs_come_in_the_final_message(served, other_llm):
     _, stub = served
     prompt = prompt_ids(13, length=9)
     responses = list(stub.Generate(_request(prompt, _greedy(2, prompt_logprobs=3)), timeout=60))
@@ -487,7 +574,7 @@ def test_prompt_logprobs_come_in_the_final_message(served, llm):
     assert all(len(lp.top) == 3 and [t.rank for t in lp.top] == [1, 2, 3]
                for lp in final.prompt_logprobs)
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=3)
-    want = LLM("tiny-llama", **ENGINE).generate([prompt], params, use_tqdm=False)[0]
+    want = other_llm.generate([prompt], params, use_tqdm=False)[0]
     np.testing.assert_allclose([lp.chosen.logprob for lp in final.prompt_logprobs],
                                [e[t].logprob for t, e in zip(prompt[1:], want.prompt_logprobs[1:])],
                                atol=1e-5)

@@ -31,10 +31,26 @@ def test_weight_bytes_per_device_fall_as_one_over_model():
         assert abs(ratio - 1 / m) <= replicated_1 / (split_1 + replicated_1)
 
 
-def test_every_device_holds_the_same_share():
+def test_every_device_holds_its_own_quarter_of_the_split_weights():
+    """Each split weight is cut into 4 different pieces, one per device, which together are the
+    whole array once: a replicated layout (every device a full copy) or a duplicated piece
+    fails, as does any device holding more or less than a quarter."""
     step = tensor_parallel_step("tiny-llama", "model=4", overrides=EVEN)
-    per_device = {d: _weight_bytes(step, d) for d in step.runner.layout.mesh.devices.flat}
-    assert len(set(per_device.values())) == 1
+    devices = list(step.runner.layout.mesh.devices.flat)
+    split_total = replicated_total = 0
+    for _, var in nnx.to_flat_state(step.runner.params):
+        array = var[...]
+        if "model" not in _mesh_axes(array):
+            replicated_total += array.nbytes
+            continue
+        split_total += array.nbytes
+        pieces = {s.device: s.index for s in array.addressable_shards}
+        assert sorted(pieces, key=devices.index) == devices
+        assert len({_slices(index) for index in pieces.values()}) == 4  # four different pieces
+        assert sum(_bytes_on(array, d) for d in devices) == array.nbytes  # the whole, once
+    assert split_total > 100 * replicated_total
+    for device in devices:
+        assert _split_and_replicated(step, device) == (split_total // 4, replicated_total)
 
 
 def test_compiled_argument_bytes_fall_as_one_over_model():
@@ -76,11 +92,6 @@ def test_padded_heads_cost_exactly_their_weights():
     assert split_4 * 4 == split_1 + attention_bytes  # the padding: as many heads again
 
 
-def _weight_bytes(step, device=None) -> int:
-    split, replicated = _split_and_replicated(step, device)
-    return split + replicated
-
-
 def _split_and_replicated(step, device=None) -> tuple[int, int]:
     """Weight bytes on one device: (of the weights split over model, of the others)."""
     device = device or step.runner.layout.mesh.devices.flat[0]
@@ -104,6 +115,10 @@ def _arg_bytes(tree, device, *, split: bool | None = None) -> int:
 
 def _bytes_on(array: jax.Array, device) -> int:
     return sum(s.data.nbytes for s in array.addressable_shards if s.device == device)
+
+
+def _slices(index: tuple[slice, ...]) -> tuple:
+    return tuple((s.start, s.stop, s.step) for s in index)
 
 
 def _mesh_axes(array: jax.Array) -> set[str]:
