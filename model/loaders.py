@@ -16,8 +16,12 @@ Loaders assemble one canonical tensor at a time. With `place`, each finished ten
 `place(config, key, array)` at once and only its result is kept (the sharded loader puts it on
 the mesh, each device receiving its shard), so the host never holds more than one full tensor.
 
-Quantized GGUF tensors are dequantized to float32 with `gguf.quants` and then cast. This module
-imports neither jax nor flax; the model module places the arrays on devices.
+Quantized GGUF tensors are dequantized to float32 with `gguf.quants` and then cast. With
+`formats` (the kernels a quantization scheme turns into `QuantizedArray`s, see
+`meshserve.model.quantization`), each of those kernels comes straight from the file's blocks when
+their codes fit (`meshserve.model.gguf_blocks`), and otherwise from its float weights, quantized
+as they are assembled. This module imports neither jax nor flax; the model module places the
+arrays on devices.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ import safetensors
 from safetensors import safe_open
 
 from meshserve.model.config import ModelConfig, gguf_longrope
+from meshserve.model.gguf_blocks import CanonicalLayout, decode_blocks, kernel_format
+from meshserve.model.quantization import QuantFormat, QuantizedArray, quantize
 
 NUMPY_DTYPES: dict[str, Any] = {
     "float32": np.float32,
@@ -56,8 +62,10 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 MAX_LISTED_NAMES = 5
 
 Convert = Callable[[np.ndarray], np.ndarray]
-Params = dict[str, np.ndarray]
-Place = Callable[[ModelConfig, str, np.ndarray], Any]
+Params = dict[str, np.ndarray | QuantizedArray]
+Place = Callable[[ModelConfig, str, np.ndarray | QuantizedArray], Any]
+# The kernels of a config that a quantization scheme turns into QuantizedArrays, and their format.
+Formats = Callable[[ModelConfig], Mapping[str, QuantFormat]]
 
 
 # --- The canonical layout ---------------------------------------------------------------------
@@ -171,14 +179,23 @@ def check_params(config: ModelConfig, params: Mapping[str, Any], *,
             f"tie_embeddings={config.tie_embeddings} does not use"
         )
     for key, shape in expected.items():
-        actual = tuple(np.shape(params[key]))
+        actual = _shape(params[key])
         if actual != shape:
             raise ValueError(f"param {key!r} has shape {actual}, but the config expects {shape}")
         if values:
             check_finite(key, params[key])
 
 
-def check_finite(key: str, array: np.ndarray) -> None:
+def _shape(value: Any) -> tuple[int, ...]:
+    return tuple(value.shape) if isinstance(value, QuantizedArray) else tuple(np.shape(value))
+
+
+def check_finite(key: str, array: np.ndarray | QuantizedArray) -> None:
+    if isinstance(array, QuantizedArray):
+        for part in (array.scales, array.mins):
+            if part is not None:
+                check_finite(key, part)
+        return
     if not np.isfinite(array).all():
         raise ValueError(
             f"param {key!r} has NaN or infinite values; the checkpoint is damaged, or its "
@@ -341,24 +358,62 @@ class Checkpoint(Protocol):
 
 def assemble(
     config: ModelConfig, slots: list[Slot], checkpoint: Checkpoint, ignored: Callable[[str], bool],
-    place: Place | None = None,
+    place: Place | None = None, formats: Formats | None = None,
 ) -> Params:
-    """Reads every slot's tensor into stacked arrays of the config's dtype, one key at a time;
-    each finished key is checked, then handed to `place` when given."""
+    """Reads every slot's tensor into stacked arrays of the config's dtype, one key at a time
+    (the kernels `formats` names quantized, `assemble_quantized`); each finished key is checked,
+    then handed to `place` when given."""
     require_sources(slots, checkpoint)
     reject_unknown(slots, checkpoint, ignored)
     require_source_shapes(slots, checkpoint)
     dtype = numpy_dtype(config.dtype)
     shapes = expected_shapes(config)
+    quantized = formats(config) if formats is not None else {}
     params = {}
     for key, key_slots in itertools.groupby(slots, key=lambda slot: slot.key):
-        array = np.empty(shapes[key], dtype)
-        for slot in key_slots:
-            target = array if slot.layer is None else array[slot.layer]
-            target[...] = slot.conversion.convert(checkpoint.read(slot.source))
+        if key in quantized:
+            array = assemble_quantized(list(key_slots), checkpoint, quantized[key])
+        else:
+            array = np.empty(shapes[key], dtype)
+            for slot in key_slots:
+                target = array if slot.layer is None else array[slot.layer]
+                target[...] = slot.conversion.convert(checkpoint.read(slot.source))
         check_finite(key, array)
         params[key] = array if place is None else place(config, key, array)
     return params
+
+
+def assemble_quantized(slots: list[Slot], checkpoint: Checkpoint, fmt: QuantFormat
+                       ) -> QuantizedArray:
+    """One kernel (every layer of it) as a `QuantizedArray`: kept in the file's own blocks when
+    every layer's block type fits `fmt`'s bits with one format (GGUF), else quantized to `fmt`
+    from its float weights, one layer at a time."""
+    kept = _kept_format(slots, checkpoint, fmt)
+    if kept is not None:
+        layout = CanonicalLayout(slots[0].conversion.convert, slots[0].conversion.source_shape,
+                                 kept)
+        layers = [layout.quantized(checkpoint.read_blocks(slot.source)) for slot in slots]
+    else:
+        layers = [quantize(slot.conversion.convert(checkpoint.read(slot.source)), fmt)
+                  for slot in slots]
+    if slots[0].layer is None:
+        return layers[0]
+    stack = lambda name: np.stack([getattr(q, name) for q in layers])  # noqa: E731
+    return QuantizedArray(values=stack("values"), scales=stack("scales"),
+                          mins=None if layers[0].mins is None else stack("mins"),
+                          format=layers[0].format)
+
+
+def _kept_format(slots: list[Slot], checkpoint: Checkpoint, fmt: QuantFormat
+                 ) -> QuantFormat | None:
+    """The format the slots' own blocks keep in a kernel of `fmt`'s bits, when they all keep
+    one."""
+    qtype = getattr(checkpoint, "qtype", None)
+    if qtype is None:
+        return None
+    kept = {kernel_format(qtype(slot.source), fmt.bits, fmt.num_contracted, fmt.num_out)
+            for slot in slots}
+    return kept.pop() if len(kept) == 1 else None
 
 
 def require_sources(slots: list[Slot], checkpoint: Checkpoint) -> None:
@@ -456,6 +511,11 @@ class GGUFCheckpoint:
     def qtype(self, name: str) -> gguf.GGMLQuantizationType:
         return self._tensors[name].tensor_type
 
+    def read_blocks(self, name: str):
+        """The tensor's block fields, not dequantized (`meshserve.model.gguf_blocks`)."""
+        tensor = self._tensors[name]
+        return decode_blocks(np.asarray(tensor.data), tensor.tensor_type, self.shape(name))
+
     def read(self, name: str) -> np.ndarray:
         tensor = self._tensors[name]
         # A plain ndarray view of the memmap spares gguf's row loop numpy.memmap's slicing overhead.
@@ -463,10 +523,11 @@ class GGUFCheckpoint:
         return values.reshape(self.shape(name))
 
 
-def load_gguf(path: str | os.PathLike, *, dtype: str = "float32",
-              place: Place | None = None) -> tuple[ModelConfig, Params]:
+def load_gguf(path: str | os.PathLike, *, dtype: str = "float32", place: Place | None = None,
+              formats: Formats | None = None) -> tuple[ModelConfig, Params]:
     """Loads a llama (Mixtral too), qwen2, qwen2moe, qwen3moe, qwen3, gemma2, gemma3, phi3 or
-    gpt2 GGUF file into a config and canonical params."""
+    gpt2 GGUF file into a config and canonical params (the kernels `formats` names quantized,
+    kept in the file's blocks where they fit)."""
     path = Path(path)
     require_dtype(dtype)
     reader = open_gguf(path)
@@ -478,18 +539,21 @@ def load_gguf(path: str | os.PathLike, *, dtype: str = "float32",
     config = ModelConfig.from_gguf_fields(fields, tie_embeddings=tied, dtype=dtype)
     if config.arch == "gpt2":
         slots = plan_slots(config, GGUF_GPT2_NAMES, gpt2_conversions(config, conv1d=False))
-        params = assemble(config, slots, checkpoint, GGUF_GPT2_IGNORED.__contains__, place)
+        params = assemble(config, slots, checkpoint, GGUF_GPT2_IGNORED.__contains__, place,
+                          formats)
     elif arch in GGUF_FAMILY_NAMES:
         config = with_gguf_rope_factors(config, fields, checkpoint)
         names, conversions = gguf_family_layout(config, arch)
         slots = plan_slots(config, names, conversions)
-        params = assemble(config, slots, checkpoint, GGUF_FAMILY_IGNORED.__contains__, place)
+        params = assemble(config, slots, checkpoint, GGUF_FAMILY_IGNORED.__contains__, place,
+                          formats)
     else:
         reject_rope_factors(checkpoint)
         conversions = llama_conversions(config, permuted_qk=arch == "llama")
         conversions |= moe_conversions(config, gguf=True)
         slots = plan_slots(config, GGUF_LLAMA_NAMES | GGUF_MOE_NAMES, conversions)
-        params = assemble(config, slots, checkpoint, GGUF_LLAMA_IGNORED.__contains__, place)
+        params = assemble(config, slots, checkpoint, GGUF_LLAMA_IGNORED.__contains__, place,
+                          formats)
     if place is None:  # placed tensors were checked one by one, before placing
         check_params(config, params, values=False)
     return config, params
@@ -675,9 +739,11 @@ def read_bf16(header: SafetensorsHeader, name: str) -> np.ndarray:
 
 
 def load_hf(directory: str | os.PathLike, *, dtype: str = "float32",
-            place: Place | None = None) -> tuple[ModelConfig, Params]:
+            place: Place | None = None, formats: Formats | None = None
+            ) -> tuple[ModelConfig, Params]:
     """Loads an HF llama, qwen2, mistral, mixtral, qwen2_moe, qwen3_moe, qwen3, gemma2,
-    gemma3_text, phi3 or gpt2 safetensors directory into a config and params."""
+    gemma3_text, phi3 or gpt2 safetensors directory into a config and params (the kernels
+    `formats` names quantized as they are read)."""
     directory = Path(directory)
     require_dtype(dtype)
     if not directory.is_dir():
@@ -689,13 +755,13 @@ def load_hf(directory: str | os.PathLike, *, dtype: str = "float32",
         if config.arch == "gpt2":
             names = hf_gpt2_names(checkpoint)
             slots = plan_slots(config, names, gpt2_conversions(config, conv1d=True))
-            params = assemble(config, slots, checkpoint, is_hf_gpt2_extra, place)
+            params = assemble(config, slots, checkpoint, is_hf_gpt2_extra, place, formats)
         else:
             require_lm_head(config, checkpoint)
             names, conversions = hf_llama_layout(config, hf_config)
             slots = plan_slots(config, names, conversions)
             checkpoint = stacked_experts(config, slots, checkpoint)
-            params = assemble(config, slots, checkpoint, hf_llama_extra(config), place)
+            params = assemble(config, slots, checkpoint, hf_llama_extra(config), place, formats)
     if place is None:  # placed tensors were checked one by one, before placing
         check_params(config, params, values=False)
     return config, params
@@ -886,14 +952,14 @@ def with_gguf_rope_factors(config: ModelConfig, fields: Mapping[str, Any],
 # --- Dispatch ---------------------------------------------------------------------------------
 
 
-def load_weights(files: Any, *, dtype: str = "float32",
-                 place: Place | None = None) -> tuple[ModelConfig, Params]:
+def load_weights(files: Any, *, dtype: str = "float32", place: Place | None = None,
+                 formats: Formats | None = None) -> tuple[ModelConfig, Params]:
     """Loads `files` (anything with `.kind` "gguf" | "hf" and `.path`, or a plain path)."""
     kind, path = weights_kind_and_path(files)
     if kind == "gguf":
-        return load_gguf(path, dtype=dtype, place=place)
+        return load_gguf(path, dtype=dtype, place=place, formats=formats)
     if kind == "hf":
-        return load_hf(path, dtype=dtype, place=place)
+        return load_hf(path, dtype=dtype, place=place, formats=formats)
     raise ValueError(
         f"cannot load weights of kind {kind!r} from {path}; load_weights reads 'gguf' files and "
         "'hf' safetensors directories"

@@ -1,0 +1,200 @@
+"""Quantized kernels in the model: the weights `Dense` reads when its kernel is quantized.
+
+A `QuantizedKernel` is a small module of weights (`values`, `scales` and optionally `mins`, in the
+layout of `meshserve.model.quantization`), each an `nnx.Param` with logical axes, so the sharding
+rules, the loaders and the checkpoints see them as ordinary weights. The codes keep the float
+kernel's axes (an int4 kernel halves its last contracted axis), and grouped scales keep them too,
+so a tensor-parallel split of the float kernel splits the codes and their scales alike.
+
+`quantized_matmul` is the one matmul of every quantized kernel. Activations stay in their dtype;
+codes are turned into values right before the dot, in two halves of the contraction: codes
+0..group/2 - 1 of every group (an int4 kernel's low nibbles) and the rest (its high nibbles). So
+an int4 kernel is unpacked with a mask and a shift, never a shuffle; no full-size dequantized
+kernel is ever materialised (XLA:CPU dequantizes each half into a buffer of its own, in cache,
+and runs the two dots on separate cores); and per-channel scales multiply the dot's output
+instead of the weights. `tests/model/test_quant.py` reads the compiled HLO to hold that.
+
+`quantize_model` turns a float model's kernels into quantized ones in place (load-time
+quantization of weights already on a device); `install` puts loaded `QuantizedArray`s into a
+model's structure.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from meshserve.model.quantization import (QuantFormat, QuantizedArray, check_groups,
+                                          last_contracted_axis, quantize, scheme_format)
+
+
+class QuantizedKernel(nnx.Module):
+    """The weights of one quantized kernel; `fmt` is static (part of the graph)."""
+
+    def __init__(self, q: QuantizedArray, axes: tuple[str | None, ...]):
+        fmt = self.fmt = q.format
+        self.values = nnx.Param(q.values, axes=axes)
+        scale_axes = axes if fmt.group is not None else _per_channel_axes(axes, fmt)
+        self.scales = nnx.Param(q.scales, axes=scale_axes)
+        self.mins = None if q.mins is None else nnx.Param(q.mins, axes=scale_axes)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the float kernel it stands for."""
+        return self.array().shape
+
+    def array(self) -> QuantizedArray:
+        return QuantizedArray(values=self.values[...], scales=self.scales[...],
+                              mins=None if self.mins is None else self.mins[...], format=self.fmt)
+
+
+def _per_channel_axes(axes: tuple, fmt: QuantFormat) -> tuple:
+    """A kernel's axes without its contracted ones: those of per-channel scales."""
+    stack = len(axes) - fmt.num_out - fmt.num_contracted
+    return axes[:stack] + axes[len(axes) - fmt.num_out:]
+
+
+def quantized_matmul(spec: str, x: jax.Array, kernel: QuantizedKernel) -> jax.Array:
+    """`jnp.einsum(spec, x, dequantized kernel)`, for a spec whose contracted axes end `x` and
+    begin the kernel (every `Dense` of the model). The sum runs in two halves of each group."""
+    fmt = kernel.fmt
+    inputs, out = spec.split("->")
+    lhs, rhs = inputs.split(",")
+    n = fmt.num_contracted
+    assert lhs[-n:] == rhs[:n], f"{spec}: the contracted axes must end x and begin the kernel"
+    m = next(a for a in "abcdefghijklmnopqrstuvwxyz" if a not in spec)  # the merged axis
+    flat = f"{lhs[:len(lhs) - n]}{m},{m}{rhs[n:]}->{out}"
+    with jax.named_scope(f"quantized {spec}"):
+        y = sum(jnp.einsum(flat, _flat_lhs(xh, n), _flat_rhs(wh, n))
+                for xh, wh in zip(_split_x(x, fmt), _dequantized_halves(kernel, x.dtype)))
+        if fmt.group is None:  # per-channel scales multiply the output, not the weights
+            y = y * kernel.scales[...].astype(y.dtype)
+    return y
+
+
+def _flat_lhs(x: jax.Array, n: int) -> jax.Array:
+    """x [..., *c'] -> [..., prod(c')], the n + 1 trailing axes of a split contraction merged."""
+    k = n + 1
+    return x.reshape(*x.shape[:x.ndim - k], math.prod(x.shape[x.ndim - k:]))
+
+
+def _flat_rhs(w: jax.Array, n: int) -> jax.Array:
+    k = n + 1
+    return w.reshape(math.prod(w.shape[:k]), *w.shape[k:])
+
+
+def _split_x(x: jax.Array, fmt: QuantFormat) -> tuple[jax.Array, jax.Array]:
+    """x [..., *c] -> two halves [..., *c[:-1], n, width / 2]: each group's first and second
+    half (per channel, pairs of adjacent entries)."""
+    width = fmt.group or 2
+    x = x.reshape(*x.shape[:-1], x.shape[-1] // width, width)
+    return x[..., :width // 2], x[..., width // 2:]
+
+
+def _dequantized_halves(kernel: QuantizedKernel, dtype) -> tuple[jax.Array, jax.Array]:
+    """The kernel's two halves [*c[:-1], n, width / 2, *out] as values in `dtype` (per channel:
+    codes only; the scales come after the dot)."""
+    fmt = kernel.fmt
+    values = kernel.values[...]
+    axis = values.ndim + last_contracted_axis(fmt)
+    if fmt.bits == 4:
+        packed = _split_axis(values, axis, fmt.group // 2)  # [..., n, group / 2, *out]
+        low, high = packed & 15, packed >> 4
+    else:
+        codes = _split_axis(values, axis, fmt.group or 2)
+        low, high = jnp.split(codes, 2, axis=axis + 1)
+    if fmt.group is None:
+        return low.astype(dtype), high.astype(dtype)
+    scales = jnp.expand_dims(kernel.scales[...].astype(dtype), axis + 1)  # [..., n, 1, *out]
+    mins = None if kernel.mins is None else jnp.expand_dims(kernel.mins[...].astype(dtype),
+                                                            axis + 1)
+    return tuple(_values(codes, scales, mins, dtype) for codes in (low, high))
+
+
+def _split_axis(a: jax.Array, axis: int, width: int) -> jax.Array:
+    return a.reshape(*a.shape[:axis], a.shape[axis] // width, width, *a.shape[axis + 1:])
+
+
+def _values(codes: jax.Array, scales: jax.Array, mins: jax.Array | None, dtype) -> jax.Array:
+    w = codes.astype(dtype) * scales
+    return w if mins is None else w + mins
+
+
+# -- turning a model's kernels into quantized ones -----------------------------------------------
+
+
+def dense_kernels(model: nnx.Module) -> dict[str, tuple[Any, int, int]]:
+    """Canonical kernel path -> (its Dense, number of contracted axes, number of output axes),
+    for every `Dense` of `model` whose spec the quantized matmul can run."""
+    from meshserve.model.layers import Dense  # layers imports this module
+
+    found = {}
+    for path, module in nnx.iter_graph(model):
+        if not isinstance(module, Dense):
+            continue
+        inputs, _ = module.spec.split("->")
+        lhs, rhs = inputs.split(",")
+        contracted = "".join(a for a in rhs if a in lhs)
+        if lhs.endswith(contracted) and rhs.startswith(contracted):
+            key = "/".join(map(str, path)) + "/kernel"
+            found[key] = (module, len(contracted), len(rhs) - len(contracted))
+    return found
+
+
+def kernel_formats(model: nnx.Module, scheme: str) -> dict[str, QuantFormat]:
+    """The format `scheme` gives each quantizable kernel of `model` (none for "none"), checked
+    against the kernel's shape."""
+    formats = {}
+    for key, (dense, n, out) in dense_kernels(model).items():
+        fmt = scheme_format(scheme, n, out)
+        if fmt is not None:
+            check_groups(fmt, tuple(dense.kernel.shape), key)
+            formats[key] = fmt
+    return formats
+
+
+def quantize_model(model: nnx.Module, scheme: str) -> nnx.Module:
+    """`model` with every float kernel quantized by `scheme`, on the kernel's own device (float
+    kernels go; a kernel already quantized stays as it is). Returns the same model object."""
+    for key, fmt in kernel_formats(model, scheme).items():
+        dense = dense_kernels(model)[key][0]
+        if isinstance(dense.kernel, QuantizedKernel):
+            continue
+        q = quantize(dense.kernel[...], fmt, xp=jnp)
+        dense.kernel = QuantizedKernel(q, dense.kernel.axes)
+    return model
+
+
+def install(model: nnx.Module, params: Mapping[str, Any]) -> None:
+    """Gives each Dense whose kernel key holds a `QuantizedArray` in `params` a quantized kernel
+    of those arrays (the model's float kernel, abstract or not, only lends its axes)."""
+    kernels = dense_kernels(model)
+    for key, value in params.items():
+        if not isinstance(value, QuantizedArray):
+            continue
+        if key not in kernels:
+            raise ValueError(f"{key} is quantized, but it is not the kernel of a Dense that "
+                             "the quantized matmul runs")
+        dense = kernels[key][0]
+        if tuple(value.shape) != tuple(dense.kernel.shape):
+            raise ValueError(f"quantized weight {key} stands for shape {value.shape}, expected "
+                             f"{tuple(dense.kernel.shape)}")
+        dense.kernel = QuantizedKernel(value.map(jnp.asarray), dense.kernel.axes)
+
+
+def quantized_arrays(model: nnx.Module) -> dict[str, QuantizedArray]:
+    """Canonical kernel path -> the `QuantizedArray` of every quantized kernel of `model`."""
+    return {key: dense.kernel.array() for key, (dense, _, _) in dense_kernels(model).items()
+            if isinstance(dense.kernel, QuantizedKernel)}
+
+
+def weight_bytes(model: nnx.Module) -> int:
+    """Bytes of every weight of `model` as stored (codes, scales and float weights)."""
+    _, state = nnx.split(model)
+    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
+               for v in jax.tree.leaves(state))
