@@ -30,7 +30,8 @@ import numpy as np
 from flax import nnx
 
 from meshserve.model.quantization import (QuantFormat, QuantizedArray, check_groups,
-                                          last_contracted_axis, quantize, scheme_format)
+                                          last_contracted_axis, quantize, scheme_format,
+                                          stored_dtypes, stored_shapes)
 
 
 class QuantizedKernel(nnx.Module):
@@ -158,6 +159,57 @@ def kernel_formats(model: nnx.Module, scheme: str) -> dict[str, QuantFormat]:
     return formats
 
 
+def scheme_formats(scheme: str):
+    """The loaders' `formats` for `scheme`: config -> {kernel key: format}; None for "none"."""
+    scheme_format(scheme, 1, 1)  # an unknown scheme fails here, before any file is read
+    if scheme == "none":
+        return None
+    from meshserve.model.transformer import abstract_model  # transformer imports layers
+
+    return lambda config: kernel_formats(abstract_model(config), scheme)
+
+
+def quantized_axes(fmt: QuantFormat, axes: tuple[str | None, ...]) -> dict[str, tuple]:
+    """The logical axes of each array of a kernel with float axes `axes`."""
+    scale_axes = axes if fmt.group is not None else _per_channel_axes(axes, fmt)
+    named = {"values": axes, "scales": scale_axes}
+    if fmt.has_mins:
+        named["mins"] = scale_axes
+    return named
+
+
+def stored_weights(model: nnx.Module, formats: Mapping[str, QuantFormat]
+                   ) -> dict[str, tuple[tuple, tuple[int, ...], str | None]]:
+    """Flat path -> (logical axes, shape, dtype or None for the model's dtype) of every array a
+    float (possibly abstract) `model` stores once the kernels in `formats` are quantized: what a
+    checkpoint of it holds."""
+    stored = {}
+    _, state = nnx.split(model)
+    for path, var in nnx.to_flat_state(state):
+        key = "/".join(map(str, path))
+        fmt = formats.get(key)
+        if fmt is None:
+            stored[key] = (var.axes, tuple(var.shape), None)
+            continue
+        axes, shapes, dtypes = (quantized_axes(fmt, var.axes), stored_shapes(fmt, var.shape),
+                                stored_dtypes(fmt))
+        for name in shapes:
+            stored[f"{key}/{name}"] = (axes[name], shapes[name], dtypes[name])
+    return stored
+
+
+def grouped_params(params: Mapping[str, Any], formats: Mapping[str, QuantFormat]
+                   ) -> dict[str, Any]:
+    """Flat arrays (`stored_weights`' paths) -> canonical params, the arrays of each kernel in
+    `formats` gathered into its `QuantizedArray`."""
+    grouped = {k: v for k, v in params.items() if k.rpartition("/")[0] not in formats}
+    for key, fmt in formats.items():
+        grouped[key] = QuantizedArray(values=params[f"{key}/values"],
+                                      scales=params[f"{key}/scales"],
+                                      mins=params.get(f"{key}/mins"), format=fmt)
+    return grouped
+
+
 def quantize_model(model: nnx.Module, scheme: str) -> nnx.Module:
     """`model` with every float kernel quantized by `scheme`, on the kernel's own device (float
     kernels go; a kernel already quantized stays as it is). Returns the same model object."""
@@ -185,6 +237,31 @@ def install(model: nnx.Module, params: Mapping[str, Any]) -> None:
             raise ValueError(f"quantized weight {key} stands for shape {value.shape}, expected "
                              f"{tuple(dense.kernel.shape)}")
         dense.kernel = QuantizedKernel(value.map(jnp.asarray), dense.kernel.axes)
+
+
+def model_weights(model: nnx.Module, fn=lambda value, axes: value) -> dict[str, Any]:
+    """Canonical path -> each weight of `model` passed through `fn(value, logical_axes)`, a
+    quantized kernel as one `QuantizedArray` (each of its arrays passed through `fn`): what
+    `model_from_params` takes to build the model again."""
+    quantized = {key: dense.kernel for key, (dense, _, _) in dense_kernels(model).items()
+                 if isinstance(dense.kernel, QuantizedKernel)}
+    _, state = nnx.split(model)
+    weights = {}
+    for path, var in nnx.to_flat_state(state):
+        key = "/".join(map(str, path))
+        kernel = key.rpartition("/")[0]
+        if kernel in quantized:
+            if kernel not in weights:
+                weights[kernel] = _mapped(quantized[kernel], fn)
+        else:
+            weights[key] = fn(var[...], var.axes)
+    return weights
+
+
+def _mapped(kernel: QuantizedKernel, fn) -> QuantizedArray:
+    part = lambda p: None if p is None else fn(p[...], p.axes)  # noqa: E731
+    return QuantizedArray(values=part(kernel.values), scales=part(kernel.scales),
+                          mins=part(kernel.mins), format=kernel.fmt)
 
 
 def quantized_arrays(model: nnx.Module) -> dict[str, QuantizedArray]:

@@ -101,6 +101,28 @@ class QuantizedArray:
                    for a in self.arrays().values())
 
 
+def stored_shapes(fmt: QuantFormat, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """The shape of each array of a kernel of float shape `shape` stored in `fmt`."""
+    shape = tuple(shape)
+    axis = len(shape) + last_contracted_axis(fmt)
+    values = shape if fmt.bits == 8 else shape[:axis] + (shape[axis] // 2,) + shape[axis + 1:]
+    if fmt.group is None:
+        scales = shape[:axis + 1 - fmt.num_contracted] + shape[axis + 1:]
+    else:
+        scales = shape[:axis] + (shape[axis] // fmt.group,) + shape[axis + 1:]
+    named = {"values": values, "scales": scales}
+    if fmt.has_mins:
+        named["mins"] = scales
+    return named
+
+
+def stored_dtypes(fmt: QuantFormat) -> dict[str, str]:
+    named = {"values": "int8" if fmt.bits == 8 else "uint8", "scales": fmt.scale_dtype}
+    if fmt.has_mins:
+        named["mins"] = fmt.scale_dtype
+    return named
+
+
 def last_contracted_axis(fmt: QuantFormat) -> int:
     """The axis groups run along, counted from the end (so a layer axis in front changes
     nothing)."""
