@@ -82,21 +82,30 @@ def _f32_buffers(hlo: str) -> list[int]:
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_no_whole_dequantized_kernel_is_materialised(scheme):
-    """SmolLM2's down projection: the compiled matmul never holds a float copy of the whole
-    kernel (the float matmul of the same kernel is the control: it holds exactly that)."""
-    dense = Dense("nf,fd->nd", (1536, 576), ("ffw", "embed"), dtype="float32",
-                  rngs=nnx.Rngs(0))
-    whole = 1536 * 576
-    x = jnp.ones((4, 1536), jnp.float32)
-    float_hlo = jax.jit(lambda x, w: x @ w.astype(jnp.float32)).lower(
-        x, jnp.ones((1536, 576), jnp.int8)).compile().as_text()
-    assert max(_f32_buffers(float_hlo)) == whole  # the naive dequantize does materialise it
-    q = quantize(np.asarray(dense.kernel[...]), scheme_format(scheme, 1, 1))
-    graphdef, state = nnx.split(_kernel(q, ("ffw", "embed")))
-    hlo = jax.jit(lambda x, s: quantized_matmul("nf,fd->nd", x, nnx.merge(graphdef, s))).lower(
-        x, state).compile().as_text()
-    assert max(_f32_buffers(hlo)) <= whole // 2
+def test_dequantized_values_stay_within_one_layer(scheme):
+    """SmolLM2's down projection in a scan of 4 layers: an int8 kernel is dequantized one layer
+    at a time (never the stacked kernel: the conversion is not hoisted out of the scan), an
+    int4 kernel half a layer at a time. The float matmul of the converted stack is the control:
+    it does materialise the whole stack."""
+    layers, rows, cols = 4, 1536, 576
+    stacked, one_layer = layers * rows * cols, rows * cols
+    x = jnp.ones((4, rows), jnp.float32)
+    codes = jnp.ones((layers, rows, cols), jnp.int8)
+    naive = jax.jit(lambda x, w: jax.lax.scan(
+        lambda h, w: (h + jnp.tile(h @ w, 3)[:, :rows], None), x, w.astype(jnp.float32))[0])
+    assert max(_f32_buffers(naive.lower(x, codes).compile().as_text())) == stacked
+    w = np.random.default_rng(0).standard_normal((layers, rows, cols)).astype(np.float32)
+    kernel = _kernel(quantize(w, scheme_format(scheme, 1, 1)), ("layers", "ffw", "embed"))
+    graphdef, state = nnx.split(kernel)
+
+    def scanned(x, state):
+        def layer(h, s):
+            y = quantized_matmul("nf,fd->nd", h, nnx.merge(graphdef, s))
+            return h + jnp.tile(y, 3)[:, :rows], None
+        return jax.lax.scan(layer, x, state)[0]
+
+    biggest = max(_f32_buffers(jax.jit(scanned).lower(x, state).compile().as_text()))
+    assert biggest == (one_layer if scheme == "int8" else one_layer // 2)
 
 
 # -- GGUF blocks -------------------------------------------------------------------------------
