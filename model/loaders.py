@@ -17,10 +17,10 @@ Loaders assemble one canonical tensor at a time. With `place`, each finished ten
 the mesh, each device receiving its shard), so the host never holds more than one full tensor.
 
 Quantized GGUF tensors are dequantized to float32 with `gguf.quants` and then cast. With
-`formats` (the kernels a quantization scheme turns into `QuantizedArray`s, see
-`meshserve.model.quantization`), each of those kernels comes straight from the file's blocks when
-their codes fit (`meshserve.model.gguf_blocks`), and otherwise from its float weights, quantized
-as they are assembled. This module imports neither jax nor flax; the model module places the
+`plans` (what a quantization scheme does with each kernel, `KernelPlan` in
+`meshserve.model.quantization`), a kernel comes straight from the file's blocks when their codes
+fit one of the plan's bit widths (`meshserve.model.gguf_blocks`), and otherwise from its float
+weights, quantized as they are assembled (or left float, when the plan has no format). This module imports neither jax nor flax; the model module places the
 arrays on devices.
 """
 
@@ -43,7 +43,7 @@ from safetensors import safe_open
 
 from meshserve.model.config import ModelConfig, gguf_longrope
 from meshserve.model.gguf_blocks import CanonicalLayout, decode_blocks, kernel_format
-from meshserve.model.quantization import QuantFormat, QuantizedArray, quantize
+from meshserve.model.quantization import KernelPlan, QuantFormat, QuantizedArray, quantize
 
 NUMPY_DTYPES: dict[str, Any] = {
     "float32": np.float32,
@@ -64,8 +64,8 @@ MAX_LISTED_NAMES = 5
 Convert = Callable[[np.ndarray], np.ndarray]
 Params = dict[str, np.ndarray | QuantizedArray]
 Place = Callable[[ModelConfig, str, np.ndarray | QuantizedArray], Any]
-# The kernels of a config that a quantization scheme turns into QuantizedArrays, and their format.
-Formats = Callable[[ModelConfig], Mapping[str, QuantFormat]]
+# What a quantization scheme does with each kernel of a config.
+Plans = Callable[[ModelConfig], Mapping[str, KernelPlan]]
 
 
 # --- The canonical layout ---------------------------------------------------------------------
@@ -358,22 +358,23 @@ class Checkpoint(Protocol):
 
 def assemble(
     config: ModelConfig, slots: list[Slot], checkpoint: Checkpoint, ignored: Callable[[str], bool],
-    place: Place | None = None, formats: Formats | None = None,
+    place: Place | None = None, plans: Plans | None = None,
 ) -> Params:
     """Reads every slot's tensor into stacked arrays of the config's dtype, one key at a time
-    (the kernels `formats` names quantized, `assemble_quantized`); each finished key is checked,
+    (the kernels `plans` names quantized, `assemble_quantized`); each finished key is checked,
     then handed to `place` when given."""
     require_sources(slots, checkpoint)
     reject_unknown(slots, checkpoint, ignored)
     require_source_shapes(slots, checkpoint)
     dtype = numpy_dtype(config.dtype)
     shapes = expected_shapes(config)
-    quantized = formats(config) if formats is not None else {}
+    kernel_plans = plans(config) if plans is not None else {}
     params = {}
     for key, key_slots in itertools.groupby(slots, key=lambda slot: slot.key):
-        if key in quantized:
-            array = assemble_quantized(list(key_slots), checkpoint, quantized[key])
-        else:
+        key_slots = list(key_slots)
+        plan = kernel_plans.get(key)
+        array = None if plan is None else assemble_quantized(key_slots, checkpoint, plan)
+        if array is None:
             array = np.empty(shapes[key], dtype)
             for slot in key_slots:
                 target = array if slot.layer is None else array[slot.layer]
@@ -383,19 +384,22 @@ def assemble(
     return params
 
 
-def assemble_quantized(slots: list[Slot], checkpoint: Checkpoint, fmt: QuantFormat
-                       ) -> QuantizedArray:
+def assemble_quantized(slots: list[Slot], checkpoint: Checkpoint, plan: KernelPlan
+                       ) -> QuantizedArray | None:
     """One kernel (every layer of it) as a `QuantizedArray`: kept in the file's own blocks when
-    every layer's block type fits `fmt`'s bits with one format (GGUF), else quantized to `fmt`
-    from its float weights, one layer at a time."""
-    kept = _kept_format(slots, checkpoint, fmt)
+    every layer's block type fits one of the plan's bit widths with one format (GGUF), else
+    quantized to the plan's format from its float weights, one layer at a time; None when the
+    plan leaves float weights float."""
+    kept = _kept_format(slots, checkpoint, plan)
     if kept is not None:
         layout = CanonicalLayout(slots[0].conversion.convert, slots[0].conversion.source_shape,
                                  kept)
         layers = [layout.quantized(checkpoint.read_blocks(slot.source)) for slot in slots]
-    else:
-        layers = [quantize(slot.conversion.convert(checkpoint.read(slot.source)), fmt)
+    elif plan.fmt is not None:
+        layers = [quantize(slot.conversion.convert(checkpoint.read(slot.source)), plan.fmt)
                   for slot in slots]
+    else:
+        return None
     if slots[0].layer is None:
         return layers[0]
     stack = lambda name: np.stack([getattr(q, name) for q in layers])  # noqa: E731
@@ -404,16 +408,19 @@ def assemble_quantized(slots: list[Slot], checkpoint: Checkpoint, fmt: QuantForm
                           format=layers[0].format)
 
 
-def _kept_format(slots: list[Slot], checkpoint: Checkpoint, fmt: QuantFormat
+def _kept_format(slots: list[Slot], checkpoint: Checkpoint, plan: KernelPlan
                  ) -> QuantFormat | None:
-    """The format the slots' own blocks keep in a kernel of `fmt`'s bits, when they all keep
-    one."""
+    """The format the slots' own blocks keep, in the first of the plan's bit widths where they
+    all keep one."""
     qtype = getattr(checkpoint, "qtype", None)
     if qtype is None:
         return None
-    kept = {kernel_format(qtype(slot.source), fmt.bits, fmt.num_contracted, fmt.num_out)
-            for slot in slots}
-    return kept.pop() if len(kept) == 1 else None
+    for bits in plan.keep_bits:
+        kept = {kernel_format(qtype(slot.source), bits, plan.num_contracted, plan.num_out)
+                for slot in slots}
+        if len(kept) == 1 and None not in kept:
+            return kept.pop()
+    return None
 
 
 def require_sources(slots: list[Slot], checkpoint: Checkpoint) -> None:
@@ -524,9 +531,9 @@ class GGUFCheckpoint:
 
 
 def load_gguf(path: str | os.PathLike, *, dtype: str = "float32", place: Place | None = None,
-              formats: Formats | None = None) -> tuple[ModelConfig, Params]:
+              plans: Plans | None = None) -> tuple[ModelConfig, Params]:
     """Loads a llama (Mixtral too), qwen2, qwen2moe, qwen3moe, qwen3, gemma2, gemma3, phi3 or
-    gpt2 GGUF file into a config and canonical params (the kernels `formats` names quantized,
+    gpt2 GGUF file into a config and canonical params (the kernels `plans` names quantized,
     kept in the file's blocks where they fit)."""
     path = Path(path)
     require_dtype(dtype)
@@ -540,20 +547,20 @@ def load_gguf(path: str | os.PathLike, *, dtype: str = "float32", place: Place |
     if config.arch == "gpt2":
         slots = plan_slots(config, GGUF_GPT2_NAMES, gpt2_conversions(config, conv1d=False))
         params = assemble(config, slots, checkpoint, GGUF_GPT2_IGNORED.__contains__, place,
-                          formats)
+                          plans)
     elif arch in GGUF_FAMILY_NAMES:
         config = with_gguf_rope_factors(config, fields, checkpoint)
         names, conversions = gguf_family_layout(config, arch)
         slots = plan_slots(config, names, conversions)
         params = assemble(config, slots, checkpoint, GGUF_FAMILY_IGNORED.__contains__, place,
-                          formats)
+                          plans)
     else:
         reject_rope_factors(checkpoint)
         conversions = llama_conversions(config, permuted_qk=arch == "llama")
         conversions |= moe_conversions(config, gguf=True)
         slots = plan_slots(config, GGUF_LLAMA_NAMES | GGUF_MOE_NAMES, conversions)
         params = assemble(config, slots, checkpoint, GGUF_LLAMA_IGNORED.__contains__, place,
-                          formats)
+                          plans)
     if place is None:  # placed tensors were checked one by one, before placing
         check_params(config, params, values=False)
     return config, params
@@ -739,11 +746,11 @@ def read_bf16(header: SafetensorsHeader, name: str) -> np.ndarray:
 
 
 def load_hf(directory: str | os.PathLike, *, dtype: str = "float32",
-            place: Place | None = None, formats: Formats | None = None
+            place: Place | None = None, plans: Plans | None = None
             ) -> tuple[ModelConfig, Params]:
     """Loads an HF llama, qwen2, mistral, mixtral, qwen2_moe, qwen3_moe, qwen3, gemma2,
     gemma3_text, phi3 or gpt2 safetensors directory into a config and params (the kernels
-    `formats` names quantized as they are read)."""
+    `plans` names quantized as they are read)."""
     directory = Path(directory)
     require_dtype(dtype)
     if not directory.is_dir():
@@ -755,13 +762,13 @@ def load_hf(directory: str | os.PathLike, *, dtype: str = "float32",
         if config.arch == "gpt2":
             names = hf_gpt2_names(checkpoint)
             slots = plan_slots(config, names, gpt2_conversions(config, conv1d=True))
-            params = assemble(config, slots, checkpoint, is_hf_gpt2_extra, place, formats)
+            params = assemble(config, slots, checkpoint, is_hf_gpt2_extra, place, plans)
         else:
             require_lm_head(config, checkpoint)
             names, conversions = hf_llama_layout(config, hf_config)
             slots = plan_slots(config, names, conversions)
             checkpoint = stacked_experts(config, slots, checkpoint)
-            params = assemble(config, slots, checkpoint, hf_llama_extra(config), place, formats)
+            params = assemble(config, slots, checkpoint, hf_llama_extra(config), place, plans)
     if place is None:  # placed tensors were checked one by one, before placing
         check_params(config, params, values=False)
     return config, params
@@ -953,13 +960,13 @@ def with_gguf_rope_factors(config: ModelConfig, fields: Mapping[str, Any],
 
 
 def load_weights(files: Any, *, dtype: str = "float32", place: Place | None = None,
-                 formats: Formats | None = None) -> tuple[ModelConfig, Params]:
+                 plans: Plans | None = None) -> tuple[ModelConfig, Params]:
     """Loads `files` (anything with `.kind` "gguf" | "hf" and `.path`, or a plain path)."""
     kind, path = weights_kind_and_path(files)
     if kind == "gguf":
-        return load_gguf(path, dtype=dtype, place=place, formats=formats)
+        return load_gguf(path, dtype=dtype, place=place, plans=plans)
     if kind == "hf":
-        return load_hf(path, dtype=dtype, place=place, formats=formats)
+        return load_hf(path, dtype=dtype, place=place, plans=plans)
     raise ValueError(
         f"cannot load weights of kind {kind!r} from {path}; load_weights reads 'gguf' files and "
         "'hf' safetensors directories"

@@ -23,7 +23,7 @@ from meshserve.model.checkpoint import load_checkpoint
 from meshserve.model.config import PRESETS, ModelConfig
 from meshserve.model.hub import ModelFiles, resolve_model
 from meshserve.model.loaders import load_weights
-from meshserve.model.quant import quantize_model, scheme_formats
+from meshserve.model.quant import quantize_model, scheme_plans
 from meshserve.model.tokenizer import Tokenizer
 from meshserve.model.transformer import create_model, model_from_params
 
@@ -38,7 +38,7 @@ class Pretrained:
 def load_pretrained(name_or_path: str, *, dtype: str = "float32", seed: int = 0,
                     cache_dir: str | os.PathLike | None = None,
                     quantization: str = "none") -> Pretrained:
-    formats = scheme_formats(quantization)
+    plans = scheme_plans(quantization)
     if name_or_path in PRESETS:
         config = ModelConfig.preset(name_or_path, dtype=dtype)
         model = quantize_model(create_model(config, seed=seed), quantization)
@@ -48,7 +48,7 @@ def load_pretrained(name_or_path: str, *, dtype: str = "float32", seed: int = 0,
         config, model, tokenizer = load_checkpoint(files.path, dtype=dtype)
         return Pretrained(config=config, model=quantize_model(model, quantization),
                           tokenizer=tokenizer)
-    config, params = load_weights(files, dtype=dtype, formats=formats)
+    config, params = load_weights(files, dtype=dtype, plans=plans)
     return Pretrained(config=config, model=model_from_params(config, params),
                       tokenizer=load_tokenizer(files))
 

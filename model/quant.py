@@ -35,9 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from meshserve.model.quantization import (QuantFormat, QuantizedArray, check_groups,
-                                          last_contracted_axis, quantize, scheme_format,
-                                          stored_dtypes, stored_shapes)
+from meshserve.model.quantization import (KernelPlan, QuantFormat, QuantizedArray,
+                                          check_groups, last_contracted_axis, quantize,
+                                          scheme_format, scheme_plan, stored_dtypes,
+                                          stored_shapes)
 
 
 class QuantizedKernel(nnx.Module):
@@ -175,14 +176,20 @@ def kernel_formats(model: nnx.Module, scheme: str) -> dict[str, QuantFormat]:
     return formats
 
 
-def scheme_formats(scheme: str):
-    """The loaders' `formats` for `scheme`: config -> {kernel key: format}; None for "none"."""
+def scheme_plans(scheme: str):
+    """The loaders' `plans` for `scheme`: config -> {kernel key: KernelPlan}; None for "none"."""
     scheme_format(scheme, 1, 1)  # an unknown scheme fails here, before any file is read
     if scheme == "none":
         return None
     from meshserve.model.transformer import abstract_model  # transformer imports layers
 
-    return lambda config: kernel_formats(abstract_model(config), scheme)
+    def plans(config) -> dict[str, KernelPlan]:
+        model = abstract_model(config)
+        kernel_formats(model, scheme)  # checks that the float kernels divide into groups
+        return {key: scheme_plan(scheme, n, out)
+                for key, (_, n, out) in dense_kernels(model).items()}
+
+    return plans
 
 
 def quantized_axes(fmt: QuantFormat, axes: tuple[str | None, ...]) -> dict[str, tuple]:

@@ -17,7 +17,9 @@ A `QuantizedArray` holds the arrays of one kernel (numpy on the host, jax arrays
 its `QuantFormat`. The model code reads them through `meshserve.model.quant`; the loaders build
 them from float weights (`quantize`) or straight from GGUF blocks.
 
-`SCHEMES` are the user's choices (`EngineConfig.quantization`): what float kernels become.
+`SCHEMES` are the user's choices (`EngineConfig.quantization`): what float kernels become, and
+which bit widths a GGUF's blocks are kept in (`KernelPlan`). "auto" keeps a GGUF's quantized
+blocks exactly (int4 where their codes fit 4 bits, else int8) and leaves float weights float.
 
 This module imports neither jax nor flax.
 """
@@ -29,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-SCHEMES = ("none", "int8", "int4", "int4-g64")
+SCHEMES = ("none", "auto", "int8", "int4", "int4-g64")
 SCALE_DTYPES = ("float32", "float16")
 INT8_MAX = 127
 INT4_LEVELS = 15
@@ -129,11 +131,31 @@ def last_contracted_axis(fmt: QuantFormat) -> int:
     return -(fmt.num_out + 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    """What loading does with one kernel: its GGUF blocks are kept in the first of `keep_bits`
+    their codes fit; otherwise its float weights become `fmt` (None: they stay float)."""
+
+    fmt: QuantFormat | None
+    keep_bits: tuple[int, ...]
+    num_contracted: int
+    num_out: int
+
+
+def scheme_plan(scheme: str, num_contracted: int, num_out: int) -> KernelPlan | None:
+    """The plan of `scheme` for one kernel; None for "none"."""
+    fmt = scheme_format(scheme, num_contracted, num_out)
+    if scheme == "none":
+        return None
+    keep = (4, 8) if scheme == "auto" else (fmt.bits,)
+    return KernelPlan(fmt=fmt, keep_bits=keep, num_contracted=num_contracted, num_out=num_out)
+
+
 def scheme_format(scheme: str, num_contracted: int, num_out: int) -> QuantFormat | None:
-    """The format scheme `scheme` gives a float kernel; None for "none"."""
+    """The format scheme `scheme` gives a float kernel; None for "none" and "auto"."""
     if scheme not in SCHEMES:
         raise ValueError(f"quantization {scheme!r} is not supported; use one of {SCHEMES}")
-    if scheme == "none":
+    if scheme in ("none", "auto"):
         return None
     if scheme == "int8":
         return QuantFormat(bits=8, group=None, num_contracted=num_contracted, num_out=num_out,

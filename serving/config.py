@@ -40,10 +40,12 @@ class EngineConfig(SchedulingKnobs):
     mesh: str | MeshConfig | None = knob(None, "the device mesh, data=D,stage=S,model=M (in "
                                                "Python also a MeshConfig); unset: one device",
                                          compile=True)
-    quantization: str = knob("none", "weight-only quantization of float kernels: int8 (a scale "
-                                     "per output channel), int4 (a scale and a minimum per 32 "
-                                     "weights), int4-g64 (per 64); a GGUF's blocks whose codes "
-                                     "fit are kept exactly", compile=True, choices=SCHEMES)
+    quantization: str = knob("auto", "weight-only quantized kernels. auto: a GGUF's quantized "
+                                     "blocks kept exactly (int4, or int8 where codes need more "
+                                     "bits), float weights left float; int8 (a scale per "
+                                     "output channel), int4 (a scale and a minimum per 32 "
+                                     "weights), int4-g64 (per 64): float kernels quantized too; "
+                                     "none: everything float", compile=True, choices=SCHEMES)
     length_predictor: str | None = knob(None, "ordering predicted: a saved predictor (.npz) to "
                                               "start from; unset starts from the prior, and it "
                                               "keeps learning from finished requests")

@@ -33,7 +33,7 @@ from meshserve.model.hub import resolve_model
 from meshserve.model.loaders import load_weights
 from meshserve.model.pretrained import Pretrained, load_pretrained, load_tokenizer
 from meshserve.model.quant import (grouped_params, quantize_model, quantized_axes,
-                                   scheme_formats, stored_weights)
+                                   scheme_plans, stored_weights)
 from meshserve.model.quantization import QuantizedArray
 from meshserve.model.transformer import abstract_model, model_from_params
 from meshserve.sharding.mesh import MeshConfig
@@ -49,7 +49,7 @@ def load_sharded(name_or_path: str, mesh_config: MeshConfig | str | None, *,
     `rules`, and heads padded for `mesh_config.model`. The model config of the result is the
     padded one."""
     mesh_config = MeshConfig.coerce(mesh_config)
-    formats = scheme_formats(quantization)
+    plans = scheme_plans(quantization)
     if name_or_path in PRESETS:
         return load_pretrained(name_or_path, dtype=dtype, seed=seed, quantization=quantization)
     mesh = mesh or mesh_config.make_mesh()
@@ -59,7 +59,7 @@ def load_sharded(name_or_path: str, mesh_config: MeshConfig | str | None, *,
         return dataclasses.replace(pretrained,
                                    model=quantize_model(pretrained.model, quantization))
     placer = _Placer(mesh_config, mesh, rules)
-    config, params = load_weights(files, dtype=dtype, place=placer, formats=formats)
+    config, params = load_weights(files, dtype=dtype, place=placer, plans=plans)
     model = model_from_params(placer.padded, params)
     return Pretrained(config=model.config, model=model, tokenizer=load_tokenizer(files))
 

@@ -49,6 +49,7 @@ from meshserve.batching.sampling import SamplingParams
 from meshserve.batching.structured import StructuredOutput
 from meshserve.batching.scheduler import KVUsage
 from meshserve.model.config import kv_bytes_per_token
+from meshserve.model.quant import weight_bytes
 from meshserve.model.runner import ModelRunner, RunnerConfig
 from meshserve.serving.bench import latency, loadgen, roofline
 from meshserve.serving.config import EngineConfig
@@ -403,7 +404,8 @@ def run_roofline(model, config: EngineConfig, *, batches: Sequence[int] = ROOFLI
         for batch in fits:
             step = roofline.measure_decode_step(runner, batch=batch, context=context,
                                                 repeats=repeats)
-            floor = roofline.decode_floor(model_config, machine, batch=batch, context=context)
+            floor = roofline.decode_floor(model_config, machine, batch=batch, context=context,
+                                          weights_bytes=weight_bytes(model))
             rows.append({"batch": batch, "step_s": step, "floor_s": floor, "ratio": floor / step,
                          "output_tokens_per_s": batch / step})
     return {"bandwidth_bytes_per_s": machine.bandwidth,

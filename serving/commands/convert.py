@@ -22,8 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=DTYPES,
                         help="the weights' dtype (default: %(default)s)")
     parser.add_argument("--quantization", default="none", choices=SCHEMES,
-                        help="weight-only quantization of float kernels (GGUF blocks that fit "
-                             "are kept exactly; default: %(default)s)")
+                        help="weight-only quantized kernels, as the engine's --quantization "
+                             "(default: %(default)s: a float checkpoint)")
     parser.add_argument("--force", action="store_true", help="replace --out if it is not empty")
 
 

@@ -17,7 +17,7 @@ from meshserve.model.gguf_blocks import BLOCK_TYPES, decode_blocks
 from meshserve.model.layers import Dense
 from meshserve.model.loaders import load_gguf
 from meshserve.model.quant import (QuantizedKernel, quantize_model, quantized_arrays,
-                                   quantized_matmul, scheme_formats, weight_bytes)
+                                   quantized_matmul, scheme_plans, weight_bytes)
 from meshserve.model.quantization import (QuantFormat, QuantizedArray, dequantize, from_codes,
                                           quantize, scheme_format)
 from meshserve.model.steps import forward_dense
@@ -175,7 +175,7 @@ def test_gguf_blocks_load_into_kernels_exactly(quantized_gguf, scheme):
     """Every kernel whose block type fits the scheme's bits is read without loss: its values
     equal the float loader's (which dequantizes with gguf); the rest are quantized floats."""
     _, floats = load_gguf(quantized_gguf)
-    config, params = load_gguf(quantized_gguf, formats=scheme_formats(scheme))
+    config, params = load_gguf(quantized_gguf, plans=scheme_plans(scheme))
     kept = {"int8": {"q", "k", "v", "o", "gate", "down"}, "int4": {"q", "k", "gate"}}[scheme]
     for key, value in params.items():
         if not key.endswith("/kernel"):
@@ -196,10 +196,24 @@ def test_gguf_blocks_load_into_kernels_exactly(quantized_gguf, scheme):
     assert set(quantized_arrays(model)) == {k for k in params if k.endswith("/kernel")}
 
 
+def test_auto_keeps_every_block_type_that_fits_and_leaves_the_rest_float(quantized_gguf):
+    """auto: 4-bit blocks as int4, 5- to 8-bit ones as int8, exactly; a kernel whose layers
+    mix block formats (up: Q5_K and Q8_0) stays float."""
+    _, floats = load_gguf(quantized_gguf)
+    _, params = load_gguf(quantized_gguf, plans=scheme_plans("auto"))
+    bits = {key.split("/")[-2]: value.format.bits for key, value in params.items()
+            if isinstance(value, QuantizedArray)}
+    assert bits == {"q": 4, "k": 4, "gate": 4, "v": 8, "o": 8, "down": 8}
+    for key, value in params.items():
+        want = floats[key]
+        got = dequantize(value) if isinstance(value, QuantizedArray) else value
+        np.testing.assert_array_equal(got, want, err_msg=key)
+
+
 def test_int4_model_computes_the_float_models_function(quantized_gguf):
     """A model of quantized kernels gives the logits of the float model of the same weights, up
     to summation order."""
-    config, quantized = load_gguf(quantized_gguf, formats=scheme_formats("int4"))
+    config, quantized = load_gguf(quantized_gguf, plans=scheme_plans("int4"))
     tokens = jnp.asarray(np.arange(12, dtype=np.int32).reshape(2, 6) % config.vocab_size)
     lengths = jnp.asarray([6, 4], jnp.int32)
     # The same weights as floats (the kept kernels equal the float loader's, as shown above).
@@ -230,4 +244,4 @@ def test_a_kernel_that_does_not_divide_into_groups_is_refused():
 
 def test_unknown_scheme_is_refused_before_loading():
     with pytest.raises(ValueError, match="quantization 'int3' is not supported"):
-        scheme_formats("int3")
+        scheme_plans("int3")
