@@ -5,6 +5,11 @@
     .venv/bin/python scripts/profile_step.py --workload chat-mix --num-requests 64 \
         --quantization int4 --output benchmarks/results/profile-chat-mix-int4-cpu.json
 
+With `--lm-head`, only the tied LM head of the model's embedding is timed at each `--batch`:
+float32 against the embedding's int8 codes in groups of 32 (as GGUF's Q8_0 stores it),
+dequantized whole or 2,048 vocabulary rows at a time inside a `lax.map` (CPU time, minimum over
+`--repeats`): whether the LM head should be quantized too.
+
 With `--workload`, the whole run is profiled instead: the workload's requests (seeded, every
 output forced to its length, so every variant runs the very same steps) go through the
 continuous engine once per variant, warmed up first, and each step's time is recorded with its
@@ -224,6 +229,47 @@ def profile_run(model, args) -> dict:
             "groups": table, "steps": logs}
 
 
+def lm_head_times(model, batches: list[int], repeats: int) -> dict[int, dict[str, float]]:
+    """CPU seconds of the tied LM head per batch: float32, and int8 codes of the same table
+    (rounded per group of 32) dequantized whole or in chunks of 2,048 rows."""
+    table = model.embed.embedding[...]  # [V, D]
+    vocab, dim = table.shape
+    groups = table.reshape(vocab, dim // 32, 32)
+    scales = (jnp.abs(groups).max(axis=-1) / 127).astype(jnp.float16)  # [V, D / 32]
+    codes = jnp.round(groups / jnp.maximum(scales[..., None].astype(jnp.float32), 1e-30)
+                      ).astype(jnp.int8).reshape(vocab, dim)
+    chunk = 2048
+
+    def values(c, s):
+        return (c.reshape(-1, dim // 32, 32).astype(jnp.float32)
+                * s[..., None].astype(jnp.float32)).reshape(-1, dim)
+
+    def chunked(x, c, s):
+        parts = jax.lax.map(lambda cs: jnp.einsum("sd,vd->sv", x, values(*cs)),
+                            (c.reshape(-1, chunk, dim), s.reshape(-1, chunk, dim // 32)))
+        return parts.transpose(1, 0, 2).reshape(x.shape[0], vocab)  # [S, V]
+
+    variants = {"float32": (lambda x, t: jnp.einsum("sd,vd->sv", x, t), (table,)),
+                "int8 whole": (lambda x, c, s: jnp.einsum("sd,vd->sv", x, values(c, s)),
+                               (codes, scales)),
+                "int8 chunks": (chunked, (codes, scales))}
+    results = {}
+    for batch in batches:
+        x = jnp.ones((batch, dim), jnp.float32)
+        compiled = {name: (jax.jit(fn).lower(x, *args).compile(), args)
+                    for name, (fn, args) in variants.items()}
+        times = {name: [] for name in compiled}
+        for _ in range(repeats):
+            for name, (fn, args) in compiled.items():
+                started = time.process_time()
+                jax.block_until_ready(fn(x, *args))
+                times[name].append(time.process_time() - started)
+        results[batch] = {name: min(t) for name, t in times.items()}
+        print(f"lm head, batch {batch:>3}: " + ", ".join(
+            f"{name} {t * 1e3:.1f} ms" for name, t in results[batch].items()), flush=True)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, action="append", default=[],
@@ -235,6 +281,8 @@ def main() -> None:
     parser.add_argument("--quantization", default="none", choices=SCHEMES)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--output", type=Path, default=None, help="also write JSON here")
+    parser.add_argument("--lm-head", action="store_true",
+                        help="time the tied LM head in float32 and int8 at each --batch")
     parser.add_argument("--workload", default=None, help="profile a whole run of this workload")
     parser.add_argument("--variant", dest="variants", action="append", choices=VARIANTS,
                         help="run only these variants (default: all; full always)")
@@ -249,6 +297,11 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=768)
     args = parser.parse_args()
     model = load_pretrained(args.model, quantization=args.quantization).model
+    if args.lm_head:
+        times = lm_head_times(model, args.batch, args.repeats)
+        if args.output:
+            _write(args, model, {"lm_head_cpu_s": times})
+        return
     if args.workload:
         run = profile_run(model, args)
         if args.output:

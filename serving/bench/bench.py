@@ -437,16 +437,20 @@ _STARTUP_LINES = {
 
 
 def measure_startup(model_path: str, *, dtype: str | None = None,
-                    timeout: float = 900.0) -> dict[str, Any]:
-    """`meshserve generate --prompt hi --max-tokens 4` with the default engine, run twice as a
-    fresh process: first with an empty compilation cache, then with the one the first run
-    filled. Each run's phases come from the lines it prints (`parse_startup`), and `wall_s` is
-    the whole command."""
+                    quantization: str | None = None, timeout: float = 900.0) -> dict[str, Any]:
+    """`meshserve generate --prompt hi --max-tokens 4` with the default engine (with
+    `quantization` when given), run twice as a fresh process: first with an empty compilation
+    cache, then with the one the first run filled. Each run's phases come from the lines it
+    prints (`parse_startup`), `wall_s` is the whole command, and `peak_rss_bytes` the largest
+    resident memory of the runs so far (the process's children's peak)."""
+    import resource
     import sys
     import tempfile
 
+    extra = (["--dtype", dtype] if dtype else []) + (
+        ["--quantization", quantization] if quantization else [])
     command = [sys.executable, "-m", "meshserve.serving.cli", *STARTUP_COMMAND,
-               "--model", model_path] + (["--dtype", dtype] if dtype else [])
+               "--model", model_path] + extra
     runs = {}
     with tempfile.TemporaryDirectory() as cache:
         env = os.environ | {"MESHSERVE_CACHE_DIR": cache}
@@ -456,9 +460,10 @@ def measure_startup(model_path: str, *, dtype: str | None = None,
                                   timeout=timeout, check=False)
             if done.returncode != 0:
                 raise RuntimeError(f"startup run failed ({done.returncode}): {done.stderr[-2000:]}")
+            peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # KiB on Linux
             runs[name] = {"wall_s": time.perf_counter() - started, **parse_startup(done.stderr),
-                          "answer": done.stdout.strip().split("\n")[0]}
-    return {"command": "meshserve " + " ".join(STARTUP_COMMAND) + " --model " + model_path,
+                          "answer": done.stdout.strip().split("\n")[0], "peak_rss_bytes": peak}
+    return {"command": " ".join(["meshserve", *STARTUP_COMMAND, "--model", model_path, *extra]),
             **runs}
 
 
