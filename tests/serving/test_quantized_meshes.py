@@ -1,4 +1,4 @@
-"""Quantized weights on meshes: tensor-parallel and data-parallel engines give the tokens and
+"""Quantized weights on meshes: a tensor- and data-parallel engine gives the tokens and
 logprobs of one device with the same quantized weights, the codes and scales are split the way
 the float kernels are, and an orbax checkpoint of a sharded quantized model restores them
 exactly, on another mesh too."""
@@ -30,7 +30,8 @@ def quantized(request):
     return request.param, model, want
 
 
-@pytest.mark.parametrize("mesh", ["model=2", "data=2,model=2"])
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["data=2,model=2"])
 def test_quantized_mesh_matches_one_device(quantized, mesh):
     scheme, model, want = quantized
     engine = Engine.from_model(model, None, EngineConfig(mesh=mesh, **ENGINE))
@@ -43,6 +44,7 @@ def test_quantized_mesh_matches_one_device(quantized, mesh):
     assert split == {"values": True, "scales": scheme == "int4"}
 
 
+@pytest.mark.slow
 def test_quantized_checkpoint_round_trips_onto_another_mesh(quantized, tmp_path):
     scheme, model, want = quantized
     engine = Engine.from_model(model, None, EngineConfig(mesh="model=2", **ENGINE))
