@@ -15,10 +15,10 @@ and codes become values right before the dot, in the layer scan, one layer's ker
   high ones, so a kernel is unpacked with a mask and a shift, never a shuffle, and no buffer
   ever holds more than half of a layer's kernel in float (XLA:CPU runs the two halves' dots on
   separate cores).
-Measured on SmolLM2's down projection in a 30-layer scan on this 2-core CPU (ms of CPU time at
-1 / 16 / 128 rows): float32 5.8 / 9.6 / 38.3, int8 3.5 / 7.4 / 37.1, int4 3.4 / 8.6 / 41.3;
-splitting int8 into halves as well cost 5.5 / 11.0 / 40.8. `tests/model/test_quant.py` reads the
-compiled HLO to hold both layouts.
+`scripts/quant_matmul_bench.py` measures SmolLM2's down projection in a 30-layer scan on a
+2-core CPU (ms of CPU time at 1 / 16 / 128 rows): float32 6.0 / 9.9 / 39.3, int8 3.4 / 6.7 /
+38.0, int4 2.9 / 7.6 / 41.8; an int8 kernel split into halves too measured 5.5 / 11.0 / 40.8.
+`tests/model/test_quant.py` reads the compiled HLO to hold both layouts.
 
 `quantize_model` turns a float model's kernels into quantized ones in place (load-time
 quantization of weights already on a device); `install` puts loaded `QuantizedArray`s into a
@@ -69,7 +69,7 @@ def _per_channel_axes(axes: tuple, fmt: QuantFormat) -> tuple:
 
 def quantized_matmul(spec: str, x: jax.Array, kernel: QuantizedKernel) -> jax.Array:
     """`jnp.einsum(spec, x, dequantized kernel)`, for a spec whose contracted axes end `x` and
-    begin the kernel (every `Dense` of the model). The sum runs in two halves of each group."""
+    begin the kernel (every `Dense` of the model): one dot for int8, two for int4."""
     fmt = kernel.fmt
     inputs, out = spec.split("->")
     lhs, rhs = inputs.split(",")
