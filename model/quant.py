@@ -146,14 +146,24 @@ def _values(codes: jax.Array, scales: jax.Array, mins: jax.Array | None, dtype) 
 # -- turning a model's kernels into quantized ones -----------------------------------------------
 
 
+# Dense modules whose kernels stay float under every scheme, by their attribute name. The LM
+# head: a quantized table measured no faster (docs/models.md). A mixture's router and its shared
+# expert's sigmoid gate: a few columns each, and a rounding that moves a router logit past
+# another changes which experts run, so routing stays the float model's. (The routed experts
+# themselves are stacked `[E, ...]` weights the grouped matmul reads, not `Dense` kernels: they
+# stay float too.)
+FLOAT_KERNELS = frozenset({"lm_head", "router", "scale"})
+
+
 def dense_kernels(model: nnx.Module) -> dict[str, tuple[Any, int, int]]:
     """Canonical kernel path -> (its Dense, number of contracted axes, number of output axes),
-    for every `Dense` of `model` whose spec the quantized matmul can run."""
+    for every `Dense` of `model` whose kernel a scheme quantizes: the quantized matmul can run
+    its spec, and it is not one of `FLOAT_KERNELS`."""
     from meshserve.model.layers import Dense  # layers imports this module
 
     found = {}
     for path, module in nnx.iter_graph(model):
-        if not isinstance(module, Dense):
+        if not isinstance(module, Dense) or (path and path[-1] in FLOAT_KERNELS):
             continue
         inputs, _ = module.spec.split("->")
         lhs, rhs = inputs.split(",")
