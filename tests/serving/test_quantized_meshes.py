@@ -1,5 +1,5 @@
-"""Quantized weights on meshes: a tensor- and data-parallel engine gives the tokens and
-logprobs of one device with the same quantized weights, the codes and scales are split the way
+"""Quantized weights on meshes: a tensor-, data- and pipeline-parallel engine gives the tokens
+and logprobs of one device with the same quantized weights, the codes and scales are split the way
 the float kernels are, and an orbax checkpoint of a sharded quantized model restores them
 exactly, on another mesh too."""
 
@@ -17,8 +17,9 @@ from meshserve.sharding.loading import load_sharded
 from tests.conftest import random_params
 from tests.serving.test_meshes import ENGINE, _assert_same, _run, _tiny_requests
 
-# head_dim 32: the o projection's contracted head_dim divides into int4 groups of 32.
-CONFIG = ModelConfig.preset("tiny-llama", head_dim=32)
+# head_dim 32: the o projection's contracted head_dim divides into int4 groups of 32. Three
+# layers: two pipeline stages pad the stack to four with a layer of zero codes and scales.
+CONFIG = ModelConfig.preset("tiny-llama", head_dim=32, num_layers=3)
 REQUESTS = _tiny_requests()[:3]
 
 
@@ -42,6 +43,20 @@ def test_quantized_mesh_matches_one_device(quantized, mesh):
     split = {name: "model" in tuple(kernel[name].get_value().sharding.spec)
              for name in ("values", "scales")}
     assert split == {"values": True, "scales": scheme == "int4"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["stage=2,model=2"])
+def test_quantized_stages_match_one_device(quantized, mesh):
+    """Each stage holds its own layers' codes and scales (the padded fourth layer's are zeros)
+    and runs them through the same quantized matmul."""
+    scheme, model, want = quantized
+    engine = Engine.from_model(model, None, EngineConfig(mesh=mesh, **ENGINE))
+    _assert_same(_run(engine, REQUESTS), want)
+    kernel = engine.runner.params["layers"]["mlp"]["down"]["kernel"]
+    values = kernel["values"].get_value()
+    assert values.shape[0] == 4 and "stage" in tuple(values.sharding.spec)
+    np.testing.assert_array_equal(np.asarray(kernel["scales"].get_value())[3], 0)
 
 
 @pytest.mark.slow
