@@ -242,6 +242,8 @@ def sampling_arrays(rows: Sequence[Row], *, eos_token_ids: Sequence[int] = ()) -
         history=history, history_is_output=is_output,
         banned_ids=_banned_ids(params, eos_token_ids), allowed=_allowed(rows),
         is_constrained=np.array([_is_constrained(row) for row in rows], np.bool_),
+        num_logprobs=np.array([-1 if p.logprobs is None else p.logprobs for p in params],
+                              COLUMNS["num_logprobs"].dtype),
     )
 
 

@@ -221,7 +221,9 @@ class SamplingArrays:
     a sub-batch is constrained; the runner pads it to the vocabulary's words. `is_constrained`
     marks the rows whose mask applies: the sampler decides whether to read the masks from it,
     since a vote over `allowed` itself would cost a collective on a mesh that splits the
-    vocabulary (the mask's words follow the logits' split).
+    vocabulary (the mask's words follow the logits' split). `num_logprobs` is how many top
+    logprobs the row returns, -1 when it returns none: a step where no row does skips the top-K
+    over the vocabulary.
     """
 
     temperature: np.ndarray = _column(np.float32, 0.0, from_params=True)  # [B]
@@ -239,6 +241,7 @@ class SamplingArrays:
     banned_ids: np.ndarray = _column(np.int32, -1, width="banned")  # [B, E]
     allowed: np.ndarray = _column(np.int32, -1, width="vocab_words")  # [B, W] packed token mask
     is_constrained: np.ndarray = _column(np.bool_, False)  # [B] whether `allowed` applies
+    num_logprobs: np.ndarray = _column(np.int32, -1)  # [B]
 
     def __post_init__(self):
         rows = self.temperature.shape[0]

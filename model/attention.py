@@ -26,6 +26,7 @@ query, its own included). Every context and backend honours all three, or refuse
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -345,6 +346,12 @@ def ragged_meta(batch: RaggedBatch, *, page_size: int, block_pages: int) -> Ragg
         num_context_blocks=(jnp.max(cached) + block_tokens - 1) // block_tokens)
 
 
+# Tokens whose cached context one iteration of the context loop reads together. A block of a
+# fresh prompt's tokens (nothing cached) skips the loop; a block of decodes reads the context
+# its longest sequence needs.
+QUERY_BLOCK = 16
+
+
 def ragged_attention_jnp(q: jax.Array, k: jax.Array, v: jax.Array, cache_k: jax.Array,
                          cache_v: jax.Array, layer: jax.Array, meta: RaggedMeta, *,
                          block_pages: int, spec: AttentionSpec = DEFAULT_SPEC
@@ -352,13 +359,13 @@ def ragged_attention_jnp(q: jax.Array, k: jax.Array, v: jax.Array, cache_k: jax.
     """The portable backend: q [T, H, h], this step's k/v [T, K, h] -> ([T, H, h], caches).
 
     Two parts joined by one online softmax: this step's own keys (dense, causal within each
-    sequence, no gather), then the cached context, read `block_pages` pages at a time and only as
-    many blocks as the longest cached context needs (a `fori_loop` with a traced trip count), so
-    a step never reads pages nobody asked for. With a sliding window each token's blocks start at
-    the block holding its window's first key, and the loop runs only as many blocks as the
-    widest window needs: pages behind every window are never read. The caches ride through the
-    loop and come back: a loop that only closed over them would make XLA copy them for it, every
-    layer.
+    sequence, no gather), then the cached context, read `block_pages` pages at a time. The
+    context is read per block of `QUERY_BLOCK` token slots, each block reading only as many
+    context blocks as its own tokens need (loops with traced trip counts): so the tokens of a
+    fresh prompt read no pages, and a step never reads pages nobody asked for. With a sliding
+    window each token's blocks start at the block holding its window's first key, so pages
+    behind every window are never read. The caches ride through the loops and come back: a loop
+    that only closed over them would make XLA copy them for it, every layer.
     """
     tokens, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]
@@ -372,55 +379,74 @@ def ragged_attention_jnp(q: jax.Array, k: jax.Array, v: jax.Array, cache_k: jax.
     p = jnp.exp(scores - m[..., None])
     state = (m, jnp.sum(p, axis=-1), _einsum_f32("tkgu,ukh->tkgh", p.astype(v.dtype), v),
              cache_k, cache_v)
-    page_size = cache_k.shape[3]
-    block_tokens = block_pages * page_size
-    first_block, num_blocks = _context_blocks(meta, spec, block_tokens)
+    block_tokens = block_pages * cache_k.shape[3]
+    width = math.gcd(tokens, QUERY_BLOCK)
 
-    def context_block(j, state):
+    def query_block(b, state):
         m, l, acc, cache_k, cache_v = state
-        block = first_block + j  # [T] or []: each token's j-th block of its own window
-        pages = _block_pages(meta.token_pages, block, block_pages)  # [T, bp]
-        kb = _gather_token_pages(cache_k, layer, pages)  # [T, K, bp * S, h]
-        vb = _gather_token_pages(cache_v, layer, pages)
-        scores = _soft_cap(_einsum_f32("tkgh,tksh->tkgs", q, kb), spec)  # [T, K, G, bp * S]
-        key_pos = jnp.expand_dims(block * block_tokens, -1) + jnp.arange(block_tokens)
-        visible = (key_pos < meta.cached_lens[:, None]) & _in_window(
-            key_pos, meta.positions[:, None], spec)  # [T, bp * S]
-        scores = jnp.where(visible[:, None, None, :], scores, MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
-        p = jnp.exp(scores - m_new[..., None])
-        rescale = jnp.exp(m - m_new)
-        acc = acc * rescale[..., None] + _einsum_f32("tkgs,tksh->tkgh", p.astype(vb.dtype), vb)
-        return m_new, l * rescale + jnp.sum(p, axis=-1), acc, cache_k, cache_v
+        rows = lambda a: jax.lax.dynamic_slice_in_dim(a, b * width, width)  # noqa: E731
+        cached, positions = rows(meta.cached_lens), rows(meta.positions)  # [Q]
+        first_block, num_blocks = _context_blocks(cached, positions, spec, block_tokens)
+        read = functools.partial(_context_block, rows(q), rows(meta.token_pages), cached,
+                                 positions, first_block, layer, block_pages, spec)
+        m_b, l_b, acc_b, cache_k, cache_v = jax.lax.fori_loop(
+            0, num_blocks, read, (rows(m), rows(l), rows(acc), cache_k, cache_v))
+        put = lambda a, x: jax.lax.dynamic_update_slice_in_dim(a, x, b * width, 0)  # noqa: E731
+        return put(m, m_b), put(l, l_b), put(acc, acc_b), cache_k, cache_v
 
-    _, l, acc, cache_k, cache_v = jax.lax.fori_loop(0, num_blocks, context_block, state)
+    num_query_blocks = jnp.where(meta.num_context_blocks > 0, tokens // width, 0)
+    _, l, acc, cache_k, cache_v = jax.lax.fori_loop(0, num_query_blocks, query_block, state)
     out = (acc / l[..., None]).reshape(tokens, num_heads, head_dim).astype(q.dtype)
     return out, cache_k, cache_v
 
 
-def _context_blocks(meta: RaggedMeta, spec: AttentionSpec, block_tokens: int
-                    ) -> tuple[jax.Array, jax.Array]:
-    """(first block, number of blocks) of cached context to read. Without a window every token
-    starts at block 0 and the longest context sets the count. With one, token t starts at the
-    block holding its first visible key, max(0, position - window + 1), and needs the blocks
-    from there to its cached length; the count is the most any token needs."""
+def _context_blocks(cached_lens: jax.Array, positions: jax.Array, spec: AttentionSpec,
+                    block_tokens: int) -> tuple[jax.Array, jax.Array]:
+    """(first block, number of blocks) of cached context a block of token slots reads
+    (cached_lens, positions [Q]). Without a window every token starts at block 0 and the longest
+    context sets the count. With one, token t starts at the block holding its first visible key,
+    max(0, position - window + 1), and needs the blocks from there to its cached length; the
+    count is the most any token needs."""
     if spec.window is None:
-        return jnp.zeros((), jnp.int32), meta.num_context_blocks
-    first_key = jnp.maximum(meta.positions - spec.window + 1, 0)  # [T]
+        return jnp.zeros((), jnp.int32), (jnp.max(cached_lens) + block_tokens - 1) // block_tokens
+    first_key = jnp.maximum(positions - spec.window + 1, 0)  # [Q]
     first = first_key // block_tokens
-    needed = (meta.cached_lens - first * block_tokens + block_tokens - 1) // block_tokens
+    needed = (cached_lens - first * block_tokens + block_tokens - 1) // block_tokens
     return first, jnp.max(jnp.maximum(needed, 0))
 
 
 def _block_pages(token_pages: jax.Array, block: jax.Array, block_pages: int) -> jax.Array:
-    """token_pages [T, M] at each token's block `block` ([] shared, or [T]) -> [T, bp]."""
+    """token_pages [Q, M] at each token's block `block` ([] shared, or [Q]) -> [Q, bp]."""
     if block.ndim == 0:
         return jax.lax.dynamic_slice_in_dim(token_pages, block * block_pages, block_pages,
                                             axis=1)
-    index = block[:, None] * block_pages + jnp.arange(block_pages)  # [T, bp]
+    index = block[:, None] * block_pages + jnp.arange(block_pages)  # [Q, bp]
     # A token that needs fewer blocks than the widest window runs past its table's end here;
     # those keys lie beyond its cached length, so clipping to the last page is never seen.
     return jnp.take_along_axis(token_pages, index, axis=1, mode="clip")
+
+
+def _context_block(q, token_pages, cached_lens, positions, first_block, layer, block_pages,
+                   spec, j, state):
+    """Context block j (counted from each token's `first_block`) of a block of Q token slots:
+    q [Q, K, G, h], token_pages [Q, M], cached_lens and positions [Q]; the online softmax state
+    (m, l, acc) of those tokens, and the caches."""
+    m, l, acc, cache_k, cache_v = state
+    block_tokens = block_pages * cache_k.shape[3]
+    block = first_block + j  # [] or [Q]
+    pages = _block_pages(token_pages, block, block_pages)  # [Q, bp]
+    kb = _gather_token_pages(cache_k, layer, pages)  # [Q, K, bp * S, h]
+    vb = _gather_token_pages(cache_v, layer, pages)
+    scores = _soft_cap(_einsum_f32("tkgh,tksh->tkgs", q, kb), spec)  # [Q, K, G, bp * S]
+    key_pos = jnp.expand_dims(block * block_tokens, -1) + jnp.arange(block_tokens)
+    visible = (key_pos < cached_lens[:, None]) & _in_window(
+        key_pos, positions[:, None], spec)  # [Q, bp * S]
+    scores = jnp.where(visible[:, None, None, :], scores, MASK_VALUE)
+    m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+    p = jnp.exp(scores - m_new[..., None])
+    rescale = jnp.exp(m - m_new)
+    acc = acc * rescale[..., None] + _einsum_f32("tkgs,tksh->tkgh", p.astype(vb.dtype), vb)
+    return m_new, l * rescale + jnp.sum(p, axis=-1), acc, cache_k, cache_v
 
 
 def _gather_token_pages(cache: jax.Array, layer: jax.Array, pages: jax.Array) -> jax.Array:

@@ -2,8 +2,10 @@
 
 Layout of a checkpoint directory DIR:
 
-    DIR/meshserve.json          manifest: format name and version, model name, dtype, and every
-                                weight's canonical path and shape; written last
+    DIR/meshserve.json          manifest: format name and version, model name, dtype, every
+                                weight's canonical path and shape, and the format of each
+                                quantized kernel (its arrays are stored under the kernel's path:
+                                `.../kernel/values`, `/scales`, `/mins`); written last
     DIR/model_config.json       every `ModelConfig` field (`config_to_json`)
     DIR/params/                 orbax `StandardCheckpointer` data: a flat {canonical path: array}
     DIR/tokenizer.json          only when the model has a tokenizer: the `tokenizers` backend,
@@ -17,7 +19,8 @@ Restoring checks the directory against the expected config before reading any we
 failure is a `ValueError` naming the directory and what is wrong. The weights are restored
 straight into the target shardings, one per canonical path, on any mesh: orbax reads only the
 part of each array that a device holds, so no device ever holds a full copy it does not need.
-A dtype different from the saved one is applied by the cast during the read.
+A dtype different from the saved one is applied by the cast during the read; quantized kernels
+keep their stored dtypes (codes, scales).
 """
 
 from __future__ import annotations
@@ -38,7 +41,9 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from meshserve.model.config import DTYPES, ModelConfig, MoeConfig, RopeScaling
 from meshserve.model.tokenizer import SpecialTokens, Tokenizer
-from meshserve.model.transformer import abstract_model, model_from_params, param_paths
+from meshserve.model.quant import grouped_params, quantized_arrays, stored_weights
+from meshserve.model.quantization import QuantFormat
+from meshserve.model.transformer import abstract_model, model_from_params
 
 FORMAT = "meshserve-checkpoint"
 VERSION = 1
@@ -51,17 +56,21 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Manifest:
-    """What a checkpoint holds. `params` maps every canonical path to its shape, all at `dtype`."""
+    """What a checkpoint holds. `params` maps every stored array's path to its shape, all at
+    `dtype` except the arrays of the kernels in `quantized` (kernel path -> its format)."""
 
     model: str
     dtype: str
     params: Mapping[str, tuple[int, ...]]
     has_tokenizer: bool
+    quantized: Mapping[str, QuantFormat] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> str:
         """Pretty JSON with one line per weight."""
         head = json.dumps({"format": FORMAT, "version": VERSION, "model": self.model,
-                           "dtype": self.dtype, "has_tokenizer": self.has_tokenizer}, indent=2)
+                           "dtype": self.dtype, "has_tokenizer": self.has_tokenizer,
+                           "quantized": {k: f.to_json() for k, f in self.quantized.items()}},
+                          indent=2)
         params = ",\n".join(f"    {json.dumps(path)}: {json.dumps(list(shape))}"
                              for path, shape in self.params.items())
         return f'{head[:-2]},\n  "params": {{\n{params}\n  }}\n}}\n'
@@ -148,13 +157,15 @@ def save_checkpoint(model: nnx.Module, tokenizer: Tokenizer | None, directory: s
     path = check_destination(directory, force=force)
     config: ModelConfig = model.config
     params = model_params(model)
-    wrong_dtype = sorted(k for k, v in params.items() if v.dtype != jnp.dtype(config.dtype))
+    quantized = {key: q.format for key, q in quantized_arrays(model).items()}
+    wrong_dtype = sorted(k for k, v in params.items() if v.dtype != jnp.dtype(config.dtype)
+                         and k.rpartition("/")[0] not in quantized)
     if wrong_dtype:
         raise ValueError(f"model {config.name} has dtype {config.dtype}, but these weights are "
                          f"not: {wrong_dtype[:5]}")
     manifest = Manifest(model=config.name, dtype=config.dtype,
                         params={k: tuple(v.shape) for k, v in params.items()},
-                        has_tokenizer=tokenizer is not None)
+                        has_tokenizer=tokenizer is not None, quantized=quantized)
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.partial-"))
     staging.chmod(0o755)  # mkdtemp's 0o700 would become the checkpoint's mode
@@ -242,8 +253,10 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
     try:
         return Manifest(model=str(data["model"]), dtype=str(data["dtype"]),
                         params={k: tuple(v) for k, v in data["params"].items()},
-                        has_tokenizer=bool(data["has_tokenizer"]))
-    except (KeyError, TypeError, AttributeError) as err:
+                        has_tokenizer=bool(data["has_tokenizer"]),
+                        quantized={k: QuantFormat.from_json(f)
+                                   for k, f in data.get("quantized", {}).items()})
+    except (KeyError, TypeError, AttributeError, AssertionError) as err:
         raise ValueError(f"checkpoint {path}: {MANIFEST} is malformed ({err!r})") from None
 
 
@@ -275,8 +288,10 @@ def check_compatible(directory: str | os.PathLike, config: ModelConfig) -> None:
         details = ", ".join(f"{name} {getattr(saved, name)!r} (expected "
                             f"{getattr(config, name)!r})" for name in differ)
         raise ValueError(f"checkpoint {path} holds another model: {details}")
-    expected = param_paths(abstract_model(config))
-    listed = read_manifest(path).params
+    manifest = read_manifest(path)
+    expected = {k: shape for k, (_, shape, _) in
+                stored_weights(abstract_model(config), manifest.quantized).items()}
+    listed = manifest.params
     missing, unexpected = sorted(set(expected) - set(listed)), sorted(set(listed) - set(expected))
     wrong = sorted(k for k in set(expected) & set(listed) if listed[k] != expected[k])
     if missing or unexpected or wrong:
@@ -291,18 +306,22 @@ def restore_params(directory: str | os.PathLike, config: ModelConfig,
                    dtype: str | None = None) -> dict[str, jax.Array]:
     """Canonical path -> array, each placed with `shardings[path]` (None: the default device).
 
-    Arrays come back at `dtype`, else `config.dtype`, cast from the saved dtype if they differ.
-    The checkpoint must hold the model `config` describes (`check_compatible`).
+    Arrays come back at `dtype`, else `config.dtype`, cast from the saved dtype if they differ;
+    those of quantized kernels at their stored dtypes. The checkpoint must hold the model
+    `config` describes (`check_compatible`).
     """
     path = Path(directory)
     target_dtype = dtype or config.dtype
     if target_dtype not in DTYPES:
         raise ValueError(f"dtype {target_dtype!r} is not supported; use one of {DTYPES}")
     check_compatible(path, config)
-    shapes = read_manifest(path).params
+    manifest = read_manifest(path)
+    shapes = manifest.params
     _require_orbax_data(path, shapes)
     placement = _placement(shardings, shapes)
-    target = {k: jax.ShapeDtypeStruct(shape, jnp.dtype(target_dtype), sharding=placement[k])
+    stored = stored_weights(abstract_model(config), manifest.quantized)
+    target = {k: jax.ShapeDtypeStruct(shape, jnp.dtype(stored[k][2] or target_dtype),
+                                      sharding=placement[k])
               for k, shape in shapes.items()}
     with ocp.StandardCheckpointer() as checkpointer:
         try:
@@ -340,7 +359,8 @@ def load_checkpoint(directory: str | os.PathLike, *, dtype: str | None = None,
     config = read_checkpoint_config(directory)
     if dtype is not None:
         config = config.replace(dtype=dtype)
-    params = restore_params(directory, config, shardings)
+    params = grouped_params(restore_params(directory, config, shardings),
+                            read_manifest(directory).quantized)
     return config, model_from_params(config, params), read_tokenizer(directory)
 
 

@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from meshserve.model.config import ModelConfig, RopeScaling
+from meshserve.model.quant import QuantizedKernel, quantized_matmul
 
 
 def normal_init(stddev: float):
@@ -54,7 +55,8 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], 
 
 
 class Dense(nnx.Module):
-    """A weight applied by one einsum, with an optional bias over the output axes."""
+    """A weight applied by one einsum, with an optional bias over the output axes. The kernel is
+    a float `nnx.Param` or a `QuantizedKernel` (`meshserve.model.quant`); either reads the same."""
 
     def __init__(self, spec: str, shape: tuple[int, ...], axes: tuple[str, ...], *,
                  bias_dims: int = 0, dtype: str, rngs: nnx.Rngs, stack: tuple[int, ...] = (),
@@ -65,7 +67,10 @@ class Dense(nnx.Module):
                           init=constant_init(0.0), stack=stack) if bias_dims else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = _flat_matmul(self.spec, x, self.kernel[...])
+        if isinstance(self.kernel, QuantizedKernel):
+            y = quantized_matmul(self.spec, x, self.kernel)
+        else:
+            y = _flat_matmul(self.spec, x, self.kernel[...])
         if self.bias is not None:
             y = y + self.bias[...]
         return y

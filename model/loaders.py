@@ -16,8 +16,12 @@ Loaders assemble one canonical tensor at a time. With `place`, each finished ten
 `place(config, key, array)` at once and only its result is kept (the sharded loader puts it on
 the mesh, each device receiving its shard), so the host never holds more than one full tensor.
 
-Quantized GGUF tensors are dequantized to float32 with `gguf.quants` and then cast. This module
-imports neither jax nor flax; the model module places the arrays on devices.
+Quantized GGUF tensors are dequantized to float32 with `gguf.quants` and then cast. With
+`plans` (what a quantization scheme does with each kernel, `KernelPlan` in
+`meshserve.model.quantization`), a kernel comes straight from the file's blocks when their codes
+fit one of the plan's bit widths (`meshserve.model.gguf_blocks`), and otherwise from its float
+weights, quantized as they are assembled (or left float, when the plan has no format). This module imports neither jax nor flax; the model module places the
+arrays on devices.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ import safetensors
 from safetensors import safe_open
 
 from meshserve.model.config import ModelConfig, gguf_longrope
+from meshserve.model.gguf_blocks import CanonicalLayout, decode_blocks, kernel_format
+from meshserve.model.quantization import KernelPlan, QuantFormat, QuantizedArray, quantize
 
 NUMPY_DTYPES: dict[str, Any] = {
     "float32": np.float32,
@@ -56,8 +62,10 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 MAX_LISTED_NAMES = 5
 
 Convert = Callable[[np.ndarray], np.ndarray]
-Params = dict[str, np.ndarray]
-Place = Callable[[ModelConfig, str, np.ndarray], Any]
+Params = dict[str, np.ndarray | QuantizedArray]
+Place = Callable[[ModelConfig, str, np.ndarray | QuantizedArray], Any]
+# What a quantization scheme does with each kernel of a config.
+Plans = Callable[[ModelConfig], Mapping[str, KernelPlan]]
 
 
 # --- The canonical layout ---------------------------------------------------------------------
@@ -171,14 +179,23 @@ def check_params(config: ModelConfig, params: Mapping[str, Any], *,
             f"tie_embeddings={config.tie_embeddings} does not use"
         )
     for key, shape in expected.items():
-        actual = tuple(np.shape(params[key]))
+        actual = _shape(params[key])
         if actual != shape:
             raise ValueError(f"param {key!r} has shape {actual}, but the config expects {shape}")
         if values:
             check_finite(key, params[key])
 
 
-def check_finite(key: str, array: np.ndarray) -> None:
+def _shape(value: Any) -> tuple[int, ...]:
+    return tuple(value.shape) if isinstance(value, QuantizedArray) else tuple(np.shape(value))
+
+
+def check_finite(key: str, array: np.ndarray | QuantizedArray) -> None:
+    if isinstance(array, QuantizedArray):
+        for part in (array.scales, array.mins):
+            if part is not None:
+                check_finite(key, part)
+        return
     if not np.isfinite(array).all():
         raise ValueError(
             f"param {key!r} has NaN or infinite values; the checkpoint is damaged, or its "
@@ -341,24 +358,69 @@ class Checkpoint(Protocol):
 
 def assemble(
     config: ModelConfig, slots: list[Slot], checkpoint: Checkpoint, ignored: Callable[[str], bool],
-    place: Place | None = None,
+    place: Place | None = None, plans: Plans | None = None,
 ) -> Params:
-    """Reads every slot's tensor into stacked arrays of the config's dtype, one key at a time;
-    each finished key is checked, then handed to `place` when given."""
+    """Reads every slot's tensor into stacked arrays of the config's dtype, one key at a time
+    (the kernels `plans` names quantized, `assemble_quantized`); each finished key is checked,
+    then handed to `place` when given."""
     require_sources(slots, checkpoint)
     reject_unknown(slots, checkpoint, ignored)
     require_source_shapes(slots, checkpoint)
     dtype = numpy_dtype(config.dtype)
     shapes = expected_shapes(config)
+    kernel_plans = plans(config) if plans is not None else {}
     params = {}
     for key, key_slots in itertools.groupby(slots, key=lambda slot: slot.key):
-        array = np.empty(shapes[key], dtype)
-        for slot in key_slots:
-            target = array if slot.layer is None else array[slot.layer]
-            target[...] = slot.conversion.convert(checkpoint.read(slot.source))
+        key_slots = list(key_slots)
+        plan = kernel_plans.get(key)
+        array = None if plan is None else assemble_quantized(key_slots, checkpoint, plan)
+        if array is None:
+            array = np.empty(shapes[key], dtype)
+            for slot in key_slots:
+                target = array if slot.layer is None else array[slot.layer]
+                target[...] = slot.conversion.convert(checkpoint.read(slot.source))
         check_finite(key, array)
         params[key] = array if place is None else place(config, key, array)
     return params
+
+
+def assemble_quantized(slots: list[Slot], checkpoint: Checkpoint, plan: KernelPlan
+                       ) -> QuantizedArray | None:
+    """One kernel (every layer of it) as a `QuantizedArray`: kept in the file's own blocks when
+    every layer's block type fits one of the plan's bit widths with one format (GGUF), else
+    quantized to the plan's format from its float weights, one layer at a time; None when the
+    plan leaves float weights float."""
+    kept = _kept_format(slots, checkpoint, plan)
+    if kept is not None:
+        layout = CanonicalLayout(slots[0].conversion.convert, slots[0].conversion.source_shape,
+                                 kept)
+        layers = [layout.quantized(checkpoint.read_blocks(slot.source)) for slot in slots]
+    elif plan.fmt is not None:
+        layers = [quantize(slot.conversion.convert(checkpoint.read(slot.source)), plan.fmt)
+                  for slot in slots]
+    else:
+        return None
+    if slots[0].layer is None:
+        return layers[0]
+    stack = lambda name: np.stack([getattr(q, name) for q in layers])  # noqa: E731
+    return QuantizedArray(values=stack("values"), scales=stack("scales"),
+                          mins=None if layers[0].mins is None else stack("mins"),
+                          format=layers[0].format)
+
+
+def _kept_format(slots: list[Slot], checkpoint: Checkpoint, plan: KernelPlan
+                 ) -> QuantFormat | None:
+    """The format the slots' own blocks keep, in the first of the plan's bit widths where they
+    all keep one."""
+    qtype = getattr(checkpoint, "qtype", None)
+    if qtype is None:
+        return None
+    for bits in plan.keep_bits:
+        kept = {kernel_format(qtype(slot.source), bits, plan.num_contracted, plan.num_out)
+                for slot in slots}
+        if len(kept) == 1 and None not in kept:
+            return kept.pop()
+    return None
 
 
 def require_sources(slots: list[Slot], checkpoint: Checkpoint) -> None:
@@ -456,6 +518,11 @@ class GGUFCheckpoint:
     def qtype(self, name: str) -> gguf.GGMLQuantizationType:
         return self._tensors[name].tensor_type
 
+    def read_blocks(self, name: str):
+        """The tensor's block fields, not dequantized (`meshserve.model.gguf_blocks`)."""
+        tensor = self._tensors[name]
+        return decode_blocks(np.asarray(tensor.data), tensor.tensor_type, self.shape(name))
+
     def read(self, name: str) -> np.ndarray:
         tensor = self._tensors[name]
         # A plain ndarray view of the memmap spares gguf's row loop numpy.memmap's slicing overhead.
@@ -463,10 +530,11 @@ class GGUFCheckpoint:
         return values.reshape(self.shape(name))
 
 
-def load_gguf(path: str | os.PathLike, *, dtype: str = "float32",
-              place: Place | None = None) -> tuple[ModelConfig, Params]:
+def load_gguf(path: str | os.PathLike, *, dtype: str = "float32", place: Place | None = None,
+              plans: Plans | None = None) -> tuple[ModelConfig, Params]:
     """Loads a llama (Mixtral too), qwen2, qwen2moe, qwen3moe, qwen3, gemma2, gemma3, phi3 or
-    gpt2 GGUF file into a config and canonical params."""
+    gpt2 GGUF file into a config and canonical params (the kernels `plans` names quantized,
+    kept in the file's blocks where they fit)."""
     path = Path(path)
     require_dtype(dtype)
     reader = open_gguf(path)
@@ -478,18 +546,21 @@ def load_gguf(path: str | os.PathLike, *, dtype: str = "float32",
     config = ModelConfig.from_gguf_fields(fields, tie_embeddings=tied, dtype=dtype)
     if config.arch == "gpt2":
         slots = plan_slots(config, GGUF_GPT2_NAMES, gpt2_conversions(config, conv1d=False))
-        params = assemble(config, slots, checkpoint, GGUF_GPT2_IGNORED.__contains__, place)
+        params = assemble(config, slots, checkpoint, GGUF_GPT2_IGNORED.__contains__, place,
+                          plans)
     elif arch in GGUF_FAMILY_NAMES:
         config = with_gguf_rope_factors(config, fields, checkpoint)
         names, conversions = gguf_family_layout(config, arch)
         slots = plan_slots(config, names, conversions)
-        params = assemble(config, slots, checkpoint, GGUF_FAMILY_IGNORED.__contains__, place)
+        params = assemble(config, slots, checkpoint, GGUF_FAMILY_IGNORED.__contains__, place,
+                          plans)
     else:
         reject_rope_factors(checkpoint)
         conversions = llama_conversions(config, permuted_qk=arch == "llama")
         conversions |= moe_conversions(config, gguf=True)
         slots = plan_slots(config, GGUF_LLAMA_NAMES | GGUF_MOE_NAMES, conversions)
-        params = assemble(config, slots, checkpoint, GGUF_LLAMA_IGNORED.__contains__, place)
+        params = assemble(config, slots, checkpoint, GGUF_LLAMA_IGNORED.__contains__, place,
+                          plans)
     if place is None:  # placed tensors were checked one by one, before placing
         check_params(config, params, values=False)
     return config, params
@@ -675,9 +746,11 @@ def read_bf16(header: SafetensorsHeader, name: str) -> np.ndarray:
 
 
 def load_hf(directory: str | os.PathLike, *, dtype: str = "float32",
-            place: Place | None = None) -> tuple[ModelConfig, Params]:
+            place: Place | None = None, plans: Plans | None = None
+            ) -> tuple[ModelConfig, Params]:
     """Loads an HF llama, qwen2, mistral, mixtral, qwen2_moe, qwen3_moe, qwen3, gemma2,
-    gemma3_text, phi3 or gpt2 safetensors directory into a config and params."""
+    gemma3_text, phi3 or gpt2 safetensors directory into a config and params (the kernels
+    `plans` names quantized as they are read)."""
     directory = Path(directory)
     require_dtype(dtype)
     if not directory.is_dir():
@@ -689,13 +762,13 @@ def load_hf(directory: str | os.PathLike, *, dtype: str = "float32",
         if config.arch == "gpt2":
             names = hf_gpt2_names(checkpoint)
             slots = plan_slots(config, names, gpt2_conversions(config, conv1d=True))
-            params = assemble(config, slots, checkpoint, is_hf_gpt2_extra, place)
+            params = assemble(config, slots, checkpoint, is_hf_gpt2_extra, place, plans)
         else:
             require_lm_head(config, checkpoint)
             names, conversions = hf_llama_layout(config, hf_config)
             slots = plan_slots(config, names, conversions)
             checkpoint = stacked_experts(config, slots, checkpoint)
-            params = assemble(config, slots, checkpoint, hf_llama_extra(config), place)
+            params = assemble(config, slots, checkpoint, hf_llama_extra(config), place, plans)
     if place is None:  # placed tensors were checked one by one, before placing
         check_params(config, params, values=False)
     return config, params
@@ -886,14 +959,14 @@ def with_gguf_rope_factors(config: ModelConfig, fields: Mapping[str, Any],
 # --- Dispatch ---------------------------------------------------------------------------------
 
 
-def load_weights(files: Any, *, dtype: str = "float32",
-                 place: Place | None = None) -> tuple[ModelConfig, Params]:
+def load_weights(files: Any, *, dtype: str = "float32", place: Place | None = None,
+                 plans: Plans | None = None) -> tuple[ModelConfig, Params]:
     """Loads `files` (anything with `.kind` "gguf" | "hf" and `.path`, or a plain path)."""
     kind, path = weights_kind_and_path(files)
     if kind == "gguf":
-        return load_gguf(path, dtype=dtype, place=place)
+        return load_gguf(path, dtype=dtype, place=place, plans=plans)
     if kind == "hf":
-        return load_hf(path, dtype=dtype, place=place)
+        return load_hf(path, dtype=dtype, place=place, plans=plans)
     raise ValueError(
         f"cannot load weights of kind {kind!r} from {path}; load_weights reads 'gguf' files and "
         "'hf' safetensors directories"

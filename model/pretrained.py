@@ -6,6 +6,10 @@
 - a meshserve checkpoint directory (`meshserve convert`), restored with its tokenizer;
 - a preset name (`tiny-llama`, `llama-2-7b`, ...), which gives random weights and no tokenizer,
   for tests, benchmarks and planning.
+
+`quantization` (`meshserve.model.quantization.SCHEMES`) is what float kernels become: quantized
+as they load (GGUF blocks that fit are kept as they are); kernels a checkpoint already holds
+quantized stay so whatever it says.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from meshserve.model.checkpoint import load_checkpoint
 from meshserve.model.config import PRESETS, ModelConfig
 from meshserve.model.hub import ModelFiles, resolve_model
 from meshserve.model.loaders import load_weights
+from meshserve.model.quant import quantize_model, scheme_plans
 from meshserve.model.tokenizer import Tokenizer
 from meshserve.model.transformer import create_model, model_from_params
 
@@ -31,15 +36,19 @@ class Pretrained:
 
 
 def load_pretrained(name_or_path: str, *, dtype: str = "float32", seed: int = 0,
-                    cache_dir: str | os.PathLike | None = None) -> Pretrained:
+                    cache_dir: str | os.PathLike | None = None,
+                    quantization: str = "none") -> Pretrained:
+    plans = scheme_plans(quantization)
     if name_or_path in PRESETS:
         config = ModelConfig.preset(name_or_path, dtype=dtype)
-        return Pretrained(config=config, model=create_model(config, seed=seed), tokenizer=None)
+        model = quantize_model(create_model(config, seed=seed), quantization)
+        return Pretrained(config=config, model=model, tokenizer=None)
     files = resolve_model(name_or_path, cache_dir=cache_dir)
     if files.kind == "orbax":
         config, model, tokenizer = load_checkpoint(files.path, dtype=dtype)
-        return Pretrained(config=config, model=model, tokenizer=tokenizer)
-    config, params = load_weights(files, dtype=dtype)
+        return Pretrained(config=config, model=quantize_model(model, quantization),
+                          tokenizer=tokenizer)
+    config, params = load_weights(files, dtype=dtype, plans=plans)
     return Pretrained(config=config, model=model_from_params(config, params),
                       tokenizer=load_tokenizer(files))
 

@@ -6,7 +6,8 @@ so one call mixes greedy, temperature, top-k, top-p and min-p rows. The pipeline
 semantics):
 
 1. Logprobs, of the chosen token and of the top-K, come from the raw model distribution:
-   `log_softmax(logits)` before any penalty, mask, temperature or filter.
+   `log_softmax(logits)` before any penalty, mask, temperature or filter. The top-K is computed
+   only on steps where some row returns logprobs (`num_logprobs >= 0`); otherwise it is zeros.
 2. Structured output: tokens outside a row's `allowed` mask (a packed bitmask, all bits set
    for an unconstrained row) get -inf, so everything after it chooses among allowed tokens only.
 3. Penalties: repetition over the prompt and output in `history` (divide positive logits, multiply
@@ -99,16 +100,20 @@ def sample(logits: jax.Array, s: SamplingArrays, *, num_top_logprobs: int = 0,
     (the penalties, the min-tokens mask, the all-greedy one): see `_any_on_some_replica`.
     """
     raw = jax.nn.log_softmax(logits, axis=-1)  # [B, V]
-    top_logprobs, top_ids = jax.lax.top_k(raw, num_top_logprobs)  # [B, K]
     # Steps where no row is constrained, no row has a penalty, or no row is under min_tokens,
     # skip that pass over the vocabulary (the penalties' scatters into [B, V] counts cost as
     # much as the lm_head at batch 32). An all-greedy batch skips the sort over the vocabulary
-    # that the filters need.
-    has_mask, has_penalty, has_min_tokens, has_sampled = _any_on_some_replica([
+    # that the filters need, and a step where no row returns logprobs skips the top-K.
+    has_mask, has_penalty, has_min_tokens, has_sampled, has_logprobs = _any_on_some_replica([
         jnp.any(s.is_constrained),
         jnp.any((s.repetition_penalty != 1) | (s.presence_penalty != 0)
                 | (s.frequency_penalty != 0)),
-        jnp.any(s.steps < s.min_tokens), jnp.any(s.temperature > 0)], replica_axes)
+        jnp.any(s.steps < s.min_tokens), jnp.any(s.temperature > 0),
+        jnp.any(s.num_logprobs >= 0)], replica_axes)
+    top_logprobs, top_ids = jax.lax.cond(  # [B, K]
+        has_logprobs, lambda: tuple(jax.lax.top_k(raw, num_top_logprobs)),
+        lambda: (jnp.zeros((raw.shape[0], num_top_logprobs), raw.dtype),
+                 jnp.zeros((raw.shape[0], num_top_logprobs), jnp.int32)))
     adjusted = jax.lax.cond(has_mask, lambda: mask_disallowed(logits, s.allowed),
                             lambda: logits)  # [B, V]
     adjusted = jax.lax.cond(has_penalty, lambda: apply_penalties(adjusted, s),

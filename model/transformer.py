@@ -29,6 +29,7 @@ from meshserve.model.attention import NO_WINDOW, AttentionSpec
 from meshserve.model.config import ModelConfig
 from meshserve.model.layers import Dense, Embed, LayerNorm, RMSNorm, apply_rope, rope_tables
 from meshserve.model.moe import MoeMLP
+from meshserve.model.quant import install as install_quantized
 
 
 class LlamaAttention(nnx.Module):
@@ -279,16 +280,20 @@ def param_paths(model) -> dict[str, tuple[int, ...]]:
 
 
 def model_from_params(config: ModelConfig, params: Mapping[str, Any]) -> Llama | GPT2:
-    """A model whose weights are `params` (canonical paths, as the loaders return them)."""
-    graphdef, state = nnx.split(abstract_model(config))
-    flat = nnx.to_flat_state(state)
-    _check_param_keys({_path_key(path) for path, _ in flat}, set(params))
-    for path, var in flat:
-        value = params[_path_key(path)]
-        if tuple(value.shape) != tuple(var.shape):
-            raise ValueError(f"weight {_path_key(path)} has shape {tuple(value.shape)}, "
-                             f"expected {tuple(var.shape)} for model {config.name}")
-        var.set_value(jnp.asarray(value, dtype=var.dtype))
+    """A model whose weights are `params` (canonical paths, as the loaders return them); a
+    kernel given as a `QuantizedArray` becomes a quantized kernel (`meshserve.model.quant`)."""
+    model = abstract_model(config)
+    shapes = param_paths(model)
+    _check_param_keys(set(shapes), set(params))
+    for key, shape in shapes.items():
+        if tuple(params[key].shape) != shape:
+            raise ValueError(f"weight {key} has shape {tuple(params[key].shape)}, "
+                             f"expected {shape} for model {config.name}")
+    install_quantized(model, params)
+    graphdef, state = nnx.split(model)
+    for path, var in nnx.to_flat_state(state):
+        if _path_key(path) in params:  # the quantized kernels' arrays are in place already
+            var.set_value(jnp.asarray(params[_path_key(path)], dtype=var.dtype))
     return nnx.merge(graphdef, state)
 
 

@@ -1,26 +1,69 @@
-"""Where a decode step's time goes: the step timed whole, and with parts of it taken out.
+"""Where a step's time goes: the step timed whole, and with parts of it taken out.
 
-    .venv/bin/python scripts/profile_step.py --batch 1 --batch 32 --context 128
+    .venv/bin/python scripts/profile_step.py --batch 1 --batch 16 --batch 64 --prefill 512 \
+        --quantization int4 --output benchmarks/results/profile-int4-cpu.json
+    .venv/bin/python scripts/profile_step.py --workload chat-mix --num-requests 64 \
+        --quantization int4 --output benchmarks/results/profile-chat-mix-int4-cpu.json
 
-Variants, each a fresh runner on SmolLM2 (float32) timed by `roofline.measure_decode_step`:
+With `--lm-head`, only the tied LM head of the model's embedding is timed at each `--batch`:
+float32 against the embedding's int8 codes in groups of 32 (as GGUF's Q8_0 stores it),
+dequantized whole or 2,048 vocabulary rows at a time inside a `lax.map` (CPU time, minimum over
+`--repeats`): whether the LM head should be quantized too.
+
+With `--workload`, the whole run is profiled instead: the workload's requests (seeded, every
+output forced to its length, so every variant runs the very same steps) go through the
+continuous engine once per variant, warmed up first, and each step's time is recorded with its
+token bucket and its rows. Steps are grouped as decode-only steps by their rows, and steps with
+prompt tokens by their bucket; each group's parts come from the variants' times of the same
+steps. Steps are timed by this process's CPU time (`--clock cpu`, the default), which other
+processes on a shared machine disturb far less than wall time; host time is then the steps'
+wall time less their device wait.
+
+Each step is one compiled call through a fresh runner on SmolLM2 (`--model`), timed with its
+host work: decodes of `--batch` rows at `--context` tokens of context, and with `--prefill`, one
+step of that many prompt tokens (chunks of 256 beside 16 decodes, as chat-mix's busy steps are).
+Variants, each the same step with one part replaced:
+
   full          the step as it serves
-  no-attention  the attention backend replaced by an identity (the KV writes stay)
+  no-attention  attention replaced by an identity (the KV writes stay)
   no-sampler    the sampler replaced by an argmax (no logprobs, penalties or filters)
-A variant's distance from `full` is what the part costs. The replacements compute nonsense
-tokens; they exist only to time the rest.
+  no-lm-head    the final norm and LM head replaced by a broadcast of the hidden state
+  no-layers     the layer scan replaced by an identity (no layer matmuls, no attention)
+
+A part's time is the distance of its variant from `full` (layer matmuls: no-attention minus
+no-layers, which also holds the norms, RoPE and activations); host is the step's wall time
+minus the time it waited for the device; the rest (embedding, cache and transfer) is what is
+left. The replacements compute nonsense tokens; they exist only to time the rest. Times are the
+minimum over `--repeats` runs, interleaved over the variants, which on a shared machine is the
+least disturbed run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
-from meshserve.model import attention, steps
+from meshserve.batching.plan import sub_batch_from_rows
+from meshserve.model import attention, steps, transformer
 from meshserve.model.pretrained import load_pretrained
+from meshserve.model.quant import weight_bytes
+from meshserve.model.quantization import SCHEMES
+from meshserve.model.runner import ModelRunner, RunnerConfig
 from meshserve.model.sampler import Sampled
-from meshserve.serving.bench import roofline
-from meshserve.serving.bench.bench import decode_runner
+from meshserve.serving.bench import bench
+from meshserve.serving.config import EngineConfig
+from meshserve.serving.engine import Engine
+
+PREFILL_CHUNK = 256
+PREFILL_DECODES = 16
 
 
 def _identity_attention(q, k, v, cache_k, cache_v, layer, meta, *, block_pages):
@@ -34,26 +77,265 @@ def _argmax_sampler(logits, s, *, num_top_logprobs, replica_axes):
                    top_logprobs=jnp.zeros((rows, num_top_logprobs)))
 
 
+def _no_lm_head(self, x):
+    return jnp.broadcast_to(x[..., :1], (*x.shape[:-1], self.config.vocab_size))
+
+
+def _no_layers(model, tokens, positions, ctx, constrain=None):
+    return model.embed_tokens(tokens, positions), ctx
+
+
+@contextlib.contextmanager
+def variant(name: str):
+    """The step's code with part `name` replaced, for runners built inside the block."""
+    saved = (attention.ATTENTION_BACKENDS["jnp"], steps.sample, transformer.Llama.logits,
+             steps.run_layers)
+    if name == "no-attention":
+        attention.ATTENTION_BACKENDS["jnp"] = _identity_attention
+    elif name == "no-sampler":
+        steps.sample = _argmax_sampler
+    elif name == "no-lm-head":
+        transformer.Llama.logits = _no_lm_head
+    elif name == "no-layers":
+        steps.run_layers = _no_layers
+    try:
+        yield
+    finally:
+        (attention.ATTENTION_BACKENDS["jnp"], steps.sample, transformer.Llama.logits,
+         steps.run_layers) = saved
+
+
+VARIANTS = ("full", "no-attention", "no-sampler", "no-lm-head", "no-layers")
+
+
+def step_plans(kind: str, size: int, context: int, page_size: int):
+    """(runner config, the step's sub-batch plans) of a decode of `size` rows, or a prefill
+    step of `size` prompt tokens beside 16 decodes."""
+    pages_each = -(-(context + PREFILL_CHUNK + 1) // page_size)
+    if kind == "decode":
+        rows = [([1], context, list(range(1 + k * pages_each, 1 + (k + 1) * pages_each)))
+                for k in range(size)]
+        plans = [sub_batch_from_rows(rows, page_size=page_size)]
+        seqs, tokens = size, size
+    else:
+        chunks = size // PREFILL_CHUNK
+        decode_rows = [([1], context, list(range(1 + k * pages_each, 1 + (k + 1) * pages_each)))
+                       for k in range(PREFILL_DECODES)]
+        first = 1 + PREFILL_DECODES * pages_each
+        prefill_rows = [([7] * PREFILL_CHUNK, 0,
+                         list(range(first + k * pages_each, first + (k + 1) * pages_each)))
+                        for k in range(chunks)]
+        plans = [sub_batch_from_rows(prefill_rows, page_size=page_size),
+                 sub_batch_from_rows(decode_rows, page_size=page_size)]
+        seqs, tokens = PREFILL_DECODES + chunks, size + PREFILL_DECODES
+    num_tokens = 1 << (tokens - 1).bit_length()
+    config = RunnerConfig(max_num_seqs=seqs, num_pages=1 + seqs * pages_each,
+                          page_size=page_size, max_pages_per_seq=pages_each,
+                          max_num_batched_tokens=num_tokens)
+    return config, plans
+
+
+def time_steps(runners: dict, plans, repeats: int) -> dict[str, dict[str, float]]:
+    """Min wall seconds and min device-wait seconds of each (warm) runner's step, interleaved."""
+    walls = {name: [] for name in runners}
+    waits = {name: [] for name in runners}
+    for _ in range(repeats):
+        for name, runner in runners.items():
+            started = time.perf_counter()
+            np.asarray(runner.run_step(plans)[0].tokens)
+            walls[name].append(time.perf_counter() - started)
+            waits[name].append(runner.last_wait_seconds)
+    return {name: {"wall": min(walls[name]), "wait": min(waits[name])} for name in runners}
+
+
+def parts(t: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Seconds per part from the variants' times (see the module docstring)."""
+    full = t["full"]["wall"]
+    split = {
+        "layer_matmuls": t["no-attention"]["wall"] - t["no-layers"]["wall"],
+        "attention": full - t["no-attention"]["wall"],
+        "lm_head": full - t["no-lm-head"]["wall"],
+        "sampler": full - t["no-sampler"]["wall"],
+        "host": t["full"].get("host", t["full"]["wall"] - t["full"]["wait"]),
+    }
+    split["rest"] = full - sum(split.values())
+    return {"step": full, **split}
+
+
+PARTS = ("layer_matmuls", "attention", "lm_head", "sampler", "host", "rest")
+
+
+class StepLog:
+    """Wraps a runner's `execute`: records each step's group, wall and device-wait seconds."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner, self.steps = runner, []
+        self._execute = runner.execute
+        runner.execute = self
+
+    def __call__(self, plan):
+        started, cpu = time.perf_counter(), time.process_time()
+        results = self._execute(plan)
+        wall, cpu = time.perf_counter() - started, time.process_time() - cpu
+        bucket = self.runner.step_key(plan.sub_batches)[0]
+        decodes = sum(b.num_rows for b in plan.sub_batches if b.tokens.shape[1] == 1)
+        prompt = plan.num_tokens - decodes
+        group = f"decode {decodes:>2} rows" if not prompt else f"prompt, bucket {bucket:>3}"
+        self.steps.append({"group": group, "wall": wall, "cpu": cpu,
+                           "wait": self.runner.last_wait_seconds,
+                           "prompt_tokens": prompt, "decodes": decodes})
+        return results
+
+
+def profile_run(model, args) -> dict:
+    """The workload through the engine once per variant; per-step times of each."""
+    requests = bench.make_workload(args.workload, num_requests=args.num_requests,
+                                   vocab_size=model.config.vocab_size)
+    config = EngineConfig(num_pages=args.num_pages, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          prefill_chunk=args.prefill_chunk, max_model_len=args.max_model_len,
+                          quantization=args.quantization, compilation_cache=False)
+    logs = {}
+    for name in args.variants or VARIANTS:
+        with variant(name):
+            engine = Engine.from_model(model, None, config)  # warms up: compiles every bucket
+            log = StepLog(engine.runner)
+            result = bench.run_offline(engine, requests)
+        logs[name] = log.steps
+        print(f"{name:<13} {result['wall_s']:.1f} s, {len(log.steps)} steps, "
+              f"{result['output_tokens_per_s']:.1f} output tok/s", flush=True)
+    groups = sorted({step["group"] for step in logs["full"]})
+    for name in VARIANTS:  # parts without their variant count as zero
+        logs.setdefault(name, logs["full"])
+    table = {}
+    for group in groups + ["all steps"]:
+        times = {}
+        for name, steps in logs.items():
+            chosen = [s for s in steps if group in ("all steps", s["group"])]
+            times[name] = {"wall": sum(s[args.clock] for s in chosen),
+                           "wait": sum(s["wait"] for s in chosen),
+                           "host": sum(s["wall"] - s["wait"] for s in chosen)}
+        count = sum(1 for s in logs["full"] if group in ("all steps", s["group"]))
+        table[group] = {"steps": count, **parts(times)}
+    assert all(len(steps) == len(logs["full"]) for steps in logs.values()), "runs differ"
+    print(f"{'group':<22} {'steps':>5} {'s':>7} " + " ".join(f"{p:>13}" for p in PARTS))
+    for group, row in table.items():
+        print(f"{group:<22} {row['steps']:>5} {row['step']:>7.2f} " + " ".join(
+            f"{row[p]:>6.2f} ({row[p] / row['step']:>3.0%})" for p in PARTS))
+    return {"workload": args.workload, "num_requests": args.num_requests,
+            "engine_config": {k: getattr(config, k) for k in (
+                "num_pages", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk",
+                "max_model_len", "quantization")},
+            "groups": table, "steps": logs}
+
+
+def lm_head_times(model, batches: list[int], repeats: int) -> dict[int, dict[str, float]]:
+    """CPU seconds of the tied LM head per batch: float32, and int8 codes of the same table
+    (rounded per group of 32) dequantized whole or in chunks of 2,048 rows."""
+    table = model.embed.embedding[...]  # [V, D]
+    vocab, dim = table.shape
+    groups = table.reshape(vocab, dim // 32, 32)
+    scales = (jnp.abs(groups).max(axis=-1) / 127).astype(jnp.float16)  # [V, D / 32]
+    codes = jnp.round(groups / jnp.maximum(scales[..., None].astype(jnp.float32), 1e-30)
+                      ).astype(jnp.int8).reshape(vocab, dim)
+    chunk = 2048
+
+    def values(c, s):
+        return (c.reshape(-1, dim // 32, 32).astype(jnp.float32)
+                * s[..., None].astype(jnp.float32)).reshape(-1, dim)
+
+    def chunked(x, c, s):
+        parts = jax.lax.map(lambda cs: jnp.einsum("sd,vd->sv", x, values(*cs)),
+                            (c.reshape(-1, chunk, dim), s.reshape(-1, chunk, dim // 32)))
+        return parts.transpose(1, 0, 2).reshape(x.shape[0], vocab)  # [S, V]
+
+    variants = {"float32": (lambda x, t: jnp.einsum("sd,vd->sv", x, t), (table,)),
+                "int8 whole": (lambda x, c, s: jnp.einsum("sd,vd->sv", x, values(c, s)),
+                               (codes, scales)),
+                "int8 chunks": (chunked, (codes, scales))}
+    results = {}
+    for batch in batches:
+        x = jnp.ones((batch, dim), jnp.float32)
+        compiled = {name: (jax.jit(fn).lower(x, *args).compile(), args)
+                    for name, (fn, args) in variants.items()}
+        times = {name: [] for name in compiled}
+        for _ in range(repeats):
+            for name, (fn, args) in compiled.items():
+                started = time.process_time()
+                jax.block_until_ready(fn(x, *args))
+                times[name].append(time.process_time() - started)
+        results[batch] = {name: min(t) for name, t in times.items()}
+        print(f"lm head, batch {batch:>3}: " + ", ".join(
+            f"{name} {t * 1e3:.1f} ms" for name, t in results[batch].items()), flush=True)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, action="append", required=True)
+    parser.add_argument("--batch", type=int, action="append", default=[],
+                        help="decode rows; repeat for several")
+    parser.add_argument("--prefill", type=int, action="append", default=[],
+                        help="prompt tokens of a prefill step (a multiple of 256)")
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--quantization", default="none", choices=SCHEMES)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--output", type=Path, default=None, help="also write JSON here")
+    parser.add_argument("--lm-head", action="store_true",
+                        help="time the tied LM head in float32 and int8 at each --batch")
+    parser.add_argument("--workload", default=None, help="profile a whole run of this workload")
+    parser.add_argument("--variant", dest="variants", action="append", choices=VARIANTS,
+                        help="run only these variants (default: all; full always)")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                        help="--workload: time steps by this process's CPU time (robust on a "
+                             "shared machine; host time is wall minus device wait) or wall time")
+    parser.add_argument("--num-pages", type=int, default=1024)
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--prefill-chunk", type=int, default=256)
+    parser.add_argument("--max-model-len", type=int, default=768)
     args = parser.parse_args()
-    model = load_pretrained(args.model).model
-    backend, sampler = attention.ATTENTION_BACKENDS["jnp"], steps.sample
-    variants = {"full": lambda: None,
-                "no-attention": lambda: attention.ATTENTION_BACKENDS.update(
-                    jnp=_identity_attention),
-                "no-sampler": lambda: setattr(steps, "sample", _argmax_sampler)}
-    print(f"{'variant':<13} {'batch':>5} {'step ms':>8}")
-    for name, apply in variants.items():
-        attention.ATTENTION_BACKENDS["jnp"], steps.sample = backend, sampler
-        apply()
-        for batch in args.batch:
-            runner = decode_runner(model, max_batch=batch, context=args.context, page_size=16)
-            seconds = roofline.measure_decode_step(runner, batch=batch, context=args.context)
-            print(f"{name:<13} {batch:>5} {seconds * 1e3:>8.1f}", flush=True)
+    model = load_pretrained(args.model, quantization=args.quantization).model
+    if args.lm_head:
+        times = lm_head_times(model, args.batch, args.repeats)
+        if args.output:
+            _write(args, model, {"lm_head_cpu_s": times})
+        return
+    if args.workload:
+        run = profile_run(model, args)
+        if args.output:
+            _write(args, model, {"run": run})
+        return
+    results = []
+    print(f"{args.model} {args.quantization}: weights {weight_bytes(model) / 1e6:.0f} MB")
+    print(f"{'step':<13} {'ms':>7} " + " ".join(f"{p:>13}" for p in PARTS))
+    shapes = [("decode", b) for b in args.batch] + [("prefill", p) for p in args.prefill]
+    for kind, size in shapes:
+        config, plans = step_plans(kind, size, args.context, page_size=16)
+        runners = {}
+        for name in VARIANTS:
+            with variant(name):  # the step traces and compiles on its first run
+                runners[name] = ModelRunner(model, config)
+                runners[name].run_step(plans)
+        times = time_steps(runners, plans, args.repeats)
+        split = parts(times)
+        label = f"{kind} {size}"
+        print(f"{label:<13} {split['step'] * 1e3:>7.1f} " + " ".join(
+            f"{split[p] * 1e3:>7.1f} ({split[p] / split['step']:>3.0%})" for p in PARTS),
+            flush=True)
+        results.append({"kind": kind, "size": size, "variants": times,
+                        "parts_s": split})
+    if args.output:
+        _write(args, model, {"context": args.context, "steps": results})
+
+
+def _write(args, model, payload: dict) -> None:
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps({
+        "command": " ".join(["scripts/profile_step.py", *sys.argv[1:]]),
+        "model": args.model, "quantization": args.quantization,
+        "weight_bytes": weight_bytes(model), "jax": jax.__version__, **payload}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

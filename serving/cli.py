@@ -6,6 +6,7 @@ A table of subcommands, each a module with `HELP`, `add_arguments(parser)` and `
   batch      run a JSONL file of requests, resumable (`commands.batch`)
   demo       `batch` on the shipped example prompts (`commands.demo`)
   roofline   decode steps against this machine's floor (`bench.roofline_command`)
+  quality    quantized weights against float32 (`bench.quality`)
   bench      continuous vs static batching, online or offline (`bench.bench_command`)
   serve      the gRPC server, on one host or many (`commands.serve`)
   convert    write a model as a meshserve checkpoint directory (`commands.convert`)
@@ -26,7 +27,8 @@ import argparse
 import sys
 from typing import Sequence
 
-from meshserve.serving.bench import bench_command, mesh_sweep, plan_command, roofline_command
+from meshserve.serving.bench import (bench_command, mesh_sweep, plan_command, quality,
+                                     roofline_command)
 from meshserve.serving.commands import batch, client, convert, demo, generate, serve
 
 COMMANDS = {
@@ -34,6 +36,7 @@ COMMANDS = {
     "batch": batch,
     "demo": demo,
     "roofline": roofline_command,
+    "quality": quality,
     "bench": bench_command,
     "serve": serve,
     "convert": convert,

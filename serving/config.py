@@ -8,9 +8,9 @@ the engine settles at runtime (EOS ids, replicas, buckets) filled in. Each field
 its help text and whether it costs a compile; the command line is generated from it
 (`meshserve.serving.options`).
 
-Knobs that change compiled shapes (and so cost a recompile): `mesh`, `num_pages`, `page_size`,
-`max_num_seqs`, `max_num_batched_tokens`, `prefill_chunk`, `max_model_len`, `max_logprobs`,
-`attention` and `pipeline_rounds`. The rest are host policy.
+Knobs that change compiled shapes (and so cost a recompile): `mesh`, `quantization`,
+`num_pages`, `page_size`, `max_num_seqs`, `max_num_batched_tokens`, `prefill_chunk`,
+`max_model_len`, `max_logprobs`, `attention` and `pipeline_rounds`. The rest are host policy.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from meshserve.batching.buckets import token_bucket_sizes
 from meshserve.batching.config import SchedulerConfig, SchedulingKnobs, knob, same_knob
 from meshserve.batching.pipeline import UnitShape
 from meshserve.model.length_predictor import LearnedPredictor
+from meshserve.model.quantization import SCHEMES
 from meshserve.model.runner import RunnerConfig
 from meshserve.sharding.mesh import MeshConfig
 
@@ -39,6 +40,12 @@ class EngineConfig(SchedulingKnobs):
     mesh: str | MeshConfig | None = knob(None, "the device mesh, data=D,stage=S,model=M (in "
                                                "Python also a MeshConfig); unset: one device",
                                          compile=True)
+    quantization: str = knob("auto", "weight-only quantized kernels. auto: a GGUF's quantized "
+                                     "blocks kept exactly (int4, or int8 where codes need more "
+                                     "bits), float weights left float; int8 (a scale per "
+                                     "output channel), int4 (a scale and a minimum per 32 "
+                                     "weights), int4-g64 (per 64): float kernels quantized too; "
+                                     "none: everything float", compile=True, choices=SCHEMES)
     length_predictor: str | None = knob(None, "ordering predicted: a saved predictor (.npz) to "
                                               "start from; unset starts from the prior, and it "
                                               "keeps learning from finished requests")
@@ -58,6 +65,8 @@ class EngineConfig(SchedulingKnobs):
         super().__post_init__()
         if self.length_predictor is not None and self.ordering != "predicted":
             raise ValueError("length_predictor is used only with ordering='predicted'")
+        if self.quantization not in SCHEMES:
+            raise ValueError(f"quantization must be one of {SCHEMES}, got {self.quantization!r}")
         if not isinstance(self.pipeline_rounds, int) or self.pipeline_rounds < 1:
             raise ValueError(f"pipeline_rounds must be >= 1, got {self.pipeline_rounds}")
 

@@ -39,6 +39,7 @@ from meshserve.model.hub import cache_root
 from meshserve.batching.runner import Runner, SampledRows, StepRunner
 from meshserve.model.runner import CompileCounter, ModelRunner, enable_compilation_cache
 from meshserve.model.pipeline import PipelineRunner
+from meshserve.model.quant import quantize_model
 from meshserve.model.tokenizer import Tokenizer, check_text
 from meshserve.model.transformer import for_context
 from meshserve.serving.config import EngineConfig
@@ -85,7 +86,7 @@ class Engine:
                    config: EngineConfig = EngineConfig(), *,
                    runner: ModelRunner | PipelineRunner | None = None) -> Engine:
         """An engine for `model`, placed on `config.mesh` (heads padded when the model axis
-        needs it).
+        needs it), its float kernels quantized in place by `config.quantization`.
 
         `runner` lets engines of the same shapes share one set of compiled programs (XLA:CPU
         runs out of memory maps after a few hundred loaded executables); it must come from an
@@ -93,6 +94,7 @@ class Engine:
         """
         settled = config.for_model(model.config)
         model = for_context(model, settled.max_model_len)  # LongRoPE's factors
+        model = quantize_model(model, settled.quantization)  # kernels loaded quantized stay
         if runner is None:
             prepared = prepare(model, settled.mesh_config)
             model = prepared.model

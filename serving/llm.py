@@ -55,7 +55,8 @@ class LLM:
         self.cluster = multihost.current()
         if self.cluster is not None:
             multihost.check_mesh(config.mesh_config)
-        pretrained = load_sharded(model, config.mesh_config, dtype=dtype, seed=seed)
+        pretrained = load_sharded(model, config.mesh_config, dtype=dtype, seed=seed,
+                                  quantization=config.quantization)
         self.tokenizer = pretrained.tokenizer
         self.model_config = pretrained.config
         self.engine = Engine.from_model(pretrained.model, pretrained.tokenizer,

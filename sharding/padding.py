@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from meshserve.model.config import ModelConfig
+from meshserve.model.quant import model_weights
 from meshserve.model.transformer import model_from_params
 
 
@@ -42,9 +43,7 @@ def pad_heads(model: nnx.Module, model_size: int) -> nnx.Module:
     if not needs_head_padding(config, model_size):
         return model
     padded = padded_config(config, model_size)
-    _, state = nnx.split(model)
-    params = {"/".join(map(str, path)): pad_array(var[...], var.axes, padded)
-              for path, var in nnx.to_flat_state(state)}
+    params = model_weights(model, lambda value, axes: pad_array(value, axes, padded))
     return model_from_params(padded, params)
 
 

@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from meshserve.model.config import ModelConfig
+from meshserve.model.quant import model_weights
 from meshserve.model.transformer import model_from_params
 
 
@@ -62,15 +63,14 @@ def pad_layers(model: nnx.Module, num_stages: int) -> nnx.Module:
     if layout.num_padded_layers == config.num_layers:
         return model
     index = np.array([layout.padded_index(i) for i in range(config.num_layers)])
-    _, state = nnx.split(model)
-    params = {}
-    for path, var in nnx.to_flat_state(state):
-        value = var[...]
-        if var.axes and var.axes[0] == "layers":
-            padded = jnp.zeros((layout.num_padded_layers, *value.shape[1:]), value.dtype)
-            value = padded.at[index].set(value)
-        params["/".join(map(str, path))] = value
-    return model_from_params(padded_config(config, num_stages), params)
+
+    def pad(value, axes):
+        if not axes or axes[0] != "layers":
+            return value
+        padded = jnp.zeros((layout.num_padded_layers, *value.shape[1:]), value.dtype)
+        return padded.at[index].set(value)
+
+    return model_from_params(padded_config(config, num_stages), model_weights(model, pad))
 
 
 def padded_config(config: ModelConfig, num_stages: int) -> ModelConfig:

@@ -51,6 +51,7 @@ from meshserve.batching.sampling import SamplingParams
 from meshserve.batching.structured import StructuredOutput
 from meshserve.batching.scheduler import KVUsage
 from meshserve.model.config import kv_bytes_per_token
+from meshserve.model.quant import weight_bytes
 from meshserve.model.runner import ModelRunner, RunnerConfig
 from meshserve.serving.bench import latency, loadgen, roofline
 from meshserve.serving.config import EngineConfig
@@ -405,7 +406,8 @@ def run_roofline(model, config: EngineConfig, *, batches: Sequence[int] = ROOFLI
         for batch in fits:
             step = roofline.measure_decode_step(runner, batch=batch, context=context,
                                                 repeats=repeats)
-            floor = roofline.decode_floor(model_config, machine, batch=batch, context=context)
+            floor = roofline.decode_floor(model_config, machine, batch=batch, context=context,
+                                          weights_bytes=weight_bytes(model))
             rows.append({"batch": batch, "step_s": step, "floor_s": floor, "ratio": floor / step,
                          "output_tokens_per_s": batch / step})
     return {"bandwidth_bytes_per_s": machine.bandwidth,
@@ -437,16 +439,20 @@ _STARTUP_LINES = {
 
 
 def measure_startup(model_path: str, *, dtype: str | None = None,
-                    timeout: float = 900.0) -> dict[str, Any]:
-    """`meshserve generate --prompt hi --max-tokens 4` with the default engine, run twice as a
-    fresh process: first with an empty compilation cache, then with the one the first run
-    filled. Each run's phases come from the lines it prints (`parse_startup`), and `wall_s` is
-    the whole command."""
+                    quantization: str | None = None, timeout: float = 900.0) -> dict[str, Any]:
+    """`meshserve generate --prompt hi --max-tokens 4` with the default engine (with
+    `quantization` when given), run twice as a fresh process: first with an empty compilation
+    cache, then with the one the first run filled. Each run's phases come from the lines it
+    prints (`parse_startup`), `wall_s` is the whole command, and `peak_rss_bytes` the largest
+    resident memory of the runs so far (the process's children's peak)."""
+    import resource
     import sys
     import tempfile
 
+    extra = (["--dtype", dtype] if dtype else []) + (
+        ["--quantization", quantization] if quantization else [])
     command = [sys.executable, "-m", "meshserve.serving.cli", *STARTUP_COMMAND,
-               "--model", model_path] + (["--dtype", dtype] if dtype else [])
+               "--model", model_path] + extra
     runs = {}
     with tempfile.TemporaryDirectory() as cache:
         env = os.environ | {"MESHSERVE_CACHE_DIR": cache}
@@ -456,9 +462,10 @@ def measure_startup(model_path: str, *, dtype: str | None = None,
                                   timeout=timeout, check=False)
             if done.returncode != 0:
                 raise RuntimeError(f"startup run failed ({done.returncode}): {done.stderr[-2000:]}")
+            peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # KiB on Linux
             runs[name] = {"wall_s": time.perf_counter() - started, **parse_startup(done.stderr),
-                          "answer": done.stdout.strip().split("\n")[0]}
-    return {"command": "meshserve " + " ".join(STARTUP_COMMAND) + " --model " + model_path,
+                          "answer": done.stdout.strip().split("\n")[0], "peak_rss_bytes": peak}
+    return {"command": " ".join(["meshserve", *STARTUP_COMMAND, "--model", model_path, *extra]),
             **runs}
 
 

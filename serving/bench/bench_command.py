@@ -12,6 +12,7 @@ from typing import Any
 
 from meshserve.batching.config import ORDERINGS
 from meshserve.model.hub import resolve_model
+from meshserve.model.quant import weight_bytes
 from meshserve.serving import options
 from meshserve.serving.bench import bench, latency
 from meshserve.serving.llm import LLM
@@ -112,15 +113,19 @@ def run(args: argparse.Namespace) -> None:
     if args.stop_at_eos:
         requests = [dataclasses.replace(r, stop_at_eos=True) for r in requests]
     progress = args.progress and sys.stderr.isatty()
-    payload: dict[str, Any] = {}
+    payload: dict[str, Any] = {"weight_bytes": weight_bytes(llm.engine.model)}
+    print(f"weights: {payload['weight_bytes'] / 1e6:.0f} MB "
+          f"(quantization {llm.engine.config.quantization})")
     if args.startup:  # before this process compiles anything, so the runs have the cores
-        payload["startup"] = startup = bench.measure_startup(str(resolve_model(args.model).path),
-                                                             dtype=args.dtype)
+        payload["startup"] = startup = bench.measure_startup(
+            str(resolve_model(args.model).path), dtype=args.dtype,
+            quantization=llm.engine.config.quantization)
         for name in ("empty_cache", "warm_cache"):
             run = startup[name]
             print(f"startup, {name.replace('_', ' ')}: answer after {run['wall_s']:.1f} s "
                   f"(load {run['load_s']} s, {run['programs']:.0f} programs in "
-                  f"{run['compile_s']} s, first token {run['first_token_s']} s)")
+                  f"{run['compile_s']} s, first token {run['first_token_s']} s, peak RSS "
+                  f"{run['peak_rss_bytes'] / 2**20:.0f} MiB)")
     if args.roofline:
         batches = args.roofline_batch or ((1, 8) if args.quick else bench.ROOFLINE_BATCHES)
         payload["roofline"] = bench.run_roofline(llm.engine.model, llm.engine.config,

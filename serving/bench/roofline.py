@@ -5,6 +5,8 @@
 
 For a mixture of experts, `params` are those a token runs and `weight_bytes` leave out the
 experts that B tokens are expected not to choose (`meshserve.sharding.planner.experts_read`).
+A quantized model's `weight_bytes` are its weights as stored (codes, scales and float weights;
+`decode_floor(weights_bytes=...)`); the FLOPs of its matmuls stay those of the float model.
 
 Bandwidth is measured as a large array copy through XLA, counting bytes read plus bytes written;
 the matmul rate as a large float32 matmul. Both are medians over several runs, measured in the
@@ -90,9 +92,13 @@ def measure_machine() -> Machine:
                    update_bandwidth=measure_update_bandwidth())
 
 
-def decode_floor(config: ModelConfig, machine: Machine, *, batch: int, context: int) -> float:
-    """Seconds one decode step of `batch` sequences of `context` tokens cannot beat."""
-    weights = max(read_weight_bytes(config, batch) / machine.bandwidth,
+def decode_floor(config: ModelConfig, machine: Machine, *, batch: int, context: int,
+                 weights_bytes: int | None = None) -> float:
+    """Seconds one decode step of `batch` sequences of `context` tokens cannot beat.
+    `weights_bytes` are the weights as stored (quantized kernels are smaller, every expert
+    counted); by default the float weights a step of `batch` reads."""
+    stored = read_weight_bytes(config, batch) if weights_bytes is None else weights_bytes
+    weights = max(stored / machine.bandwidth,
                   2 * batch * config.num_active_params / machine.matmul_rate)
     return weights + batch * context * kv_bytes_per_token(config) / machine.bandwidth
 

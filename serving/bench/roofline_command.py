@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from meshserve.model.config import weight_bytes
+from meshserve.model.quant import weight_bytes
 from meshserve.serving import options
 from meshserve.serving.bench import bench, roofline
 
@@ -32,20 +32,23 @@ def run(args: argparse.Namespace) -> None:
                                  page_size=llm.engine.config.page_size,
                                  layout=llm.engine.runner.layout)
     machine = roofline.measure_machine()
+    stored = weight_bytes(llm.engine.model)
     print(f"bandwidth {machine.bandwidth / 1e9:.1f} GB/s (copy; in-place update "
           f"{machine.update_bandwidth / 1e9:.1f}), matmul {machine.matmul_rate / 1e9:.1f} "
-          f"GFLOP/s, weights {weight_bytes(config) / 1e6:.0f} MB")
+          f"GFLOP/s, weights {stored / 1e6:.0f} MB ({llm.engine.config.quantization})")
     print(f"{'batch':>5} {'step ms':>9} {'floor ms':>9} {'floor/step':>10}")
     rows = []
     for batch in batches:
         step = roofline.measure_decode_step(runner, batch=batch, context=args.context)
-        floor = roofline.decode_floor(config, machine, batch=batch, context=args.context)
+        floor = roofline.decode_floor(config, machine, batch=batch, context=args.context,
+                                      weights_bytes=stored)
         print(f"{batch:>5} {step * 1e3:>9.2f} {floor * 1e3:>9.2f} {floor / step:>10.2f}")
         rows.append({"batch": batch, "step_s": step, "floor_s": floor,
                      "floor_over_step": floor / step})
     if args.output:
         bench.write_results(args.output, {
             "command": "meshserve " + " ".join(args.argv), "model": config.name,
-            "dtype": config.dtype, "context": args.context,
+            "dtype": config.dtype, "quantization": llm.engine.config.quantization,
+            "weight_bytes": stored, "context": args.context,
             "machine": dataclasses.asdict(machine), "environment": bench.environment(source),
             "decode": rows})

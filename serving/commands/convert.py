@@ -9,6 +9,7 @@ from pathlib import Path
 from meshserve.model.checkpoint import check_destination, save_checkpoint
 from meshserve.model.hub import DEFAULT_MODEL
 from meshserve.model.pretrained import load_pretrained
+from meshserve.model.quantization import SCHEMES
 from meshserve.serving.options import DTYPES
 
 HELP = "write a model as a meshserve checkpoint"
@@ -20,12 +21,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, type=Path, help="the checkpoint directory")
     parser.add_argument("--dtype", default="float32", choices=DTYPES,
                         help="the weights' dtype (default: %(default)s)")
+    parser.add_argument("--quantization", default="none", choices=SCHEMES,
+                        help="weight-only quantized kernels, as the engine's --quantization "
+                             "(default: %(default)s: a float checkpoint)")
     parser.add_argument("--force", action="store_true", help="replace --out if it is not empty")
 
 
 def run(args: argparse.Namespace) -> None:
     check_destination(args.out, force=args.force)  # before the (slow) load
-    pretrained = load_pretrained(args.model, dtype=args.dtype)
+    pretrained = load_pretrained(args.model, dtype=args.dtype, quantization=args.quantization)
     path = save_checkpoint(pretrained.model, pretrained.tokenizer, args.out, force=args.force)
     config = pretrained.config
     tokenizer = "with its tokenizer" if pretrained.tokenizer is not None else "no tokenizer"

@@ -20,6 +20,7 @@ import pytest
 from meshserve.model.loaders import load_hf
 from meshserve.model.runner import ModelRunner, RunnerConfig
 from meshserve.model.transformer import model_from_params
+from meshserve.serving.config import EngineConfig
 from meshserve.serving.generate import generate_greedy
 from tests.model.paged import PagedStepper
 
@@ -63,12 +64,29 @@ def smollm2_golden(golden_dir):
     return json.loads((golden_dir / "smollm2.json").read_text())
 
 
+@pytest.fixture(scope="module")
+def smollm2_default_quantization(smollm2_files):
+    """SmolLM2 loaded as the engine loads it by default: under `auto` its Q4_1 kernels stay int4
+    blocks (`meshserve.model.quant`), where `smollm2_pretrained` dequantizes them to float32."""
+    from meshserve.model.pretrained import load_pretrained
+    from meshserve.model.quant import quantized_arrays
+
+    scheme = EngineConfig().quantization
+    model = load_pretrained(str(smollm2_files.path), quantization=scheme).model
+    assert {q.format.bits for q in quantized_arrays(model).values()} == {4}, scheme
+    return model
+
+
 @pytest.mark.slow
-def test_smollm2_greedy_matches_hf(smollm2_pretrained, smollm2_golden):
+@pytest.mark.parametrize("weights", ["float32", "engine default"])
+def test_smollm2_greedy_matches_hf(weights, request, smollm2_golden):
+    """The float32 weights, and the engine's default quantization (`auto`: int4 kernels)."""
+    model = (request.getfixturevalue("smollm2_pretrained").model if weights == "float32"
+             else request.getfixturevalue("smollm2_default_quantization"))
     cases = smollm2_golden["cases"]
     num_new = smollm2_golden["num_new_tokens"]
     assert len(cases) >= 6 and max(len(c["prompt_ids"]) for c in cases) > 1000
-    runner = ModelRunner(smollm2_pretrained.model, RunnerConfig(
+    runner = ModelRunner(model, RunnerConfig(
         num_pages=160, page_size=16, max_num_seqs=len(cases), max_num_batched_tokens=512,
         max_pages_per_seq=96))
     rows = generate_greedy(runner, [c["prompt_ids"] for c in cases], max_new_tokens=num_new)

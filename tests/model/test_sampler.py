@@ -69,7 +69,7 @@ def _entropy(tokens: np.ndarray) -> float:
 
 def test_greedy_rows_take_argmax_with_raw_logprobs_and_top_k():
     logits = np.random.default_rng(0).normal(size=(8, 64)).astype(np.float32) * 3
-    out = _run(logits, _sampling(8))
+    out = _run(logits, _sampling(8, num_logprobs=5))
     ref = _log_softmax(logits)
     np.testing.assert_array_equal(out.tokens, logits.argmax(-1))
     np.testing.assert_allclose(out.logprobs, ref[np.arange(8), out.tokens], atol=1e-5)
@@ -80,11 +80,23 @@ def test_greedy_rows_take_argmax_with_raw_logprobs_and_top_k():
     assert out.top_ids.shape == (8, 5) and _run(logits, _sampling(8), k=0).top_ids.shape == (8, 0)
 
 
+def test_top_logprobs_are_computed_only_on_steps_where_a_row_returns_them():
+    logits = np.random.default_rng(0).normal(size=(8, 64)).astype(np.float32) * 3
+    ref = _log_softmax(logits)
+    none = _run(logits, _sampling(8))  # no row asks: the top-K is skipped
+    assert not none.top_ids.any() and not none.top_logprobs.any()
+    np.testing.assert_array_equal(none.tokens, logits.argmax(-1))
+    np.testing.assert_allclose(none.logprobs, ref[np.arange(8), none.tokens], atol=1e-5)
+    one = _run(logits, _sampling(8, num_logprobs=[-1] * 7 + [0]))  # 0: the chosen token's rank
+    np.testing.assert_array_equal(one.top_ids, np.argsort(-logits, axis=-1)[:, :5])
+
+
 def test_logprobs_are_raw_under_penalties_and_temperature():
     logits = np.random.default_rng(1).normal(size=(8, 64)).astype(np.float32)
     s = _sampling(8, temperature=[0.0, 0.5, 2.0, 1, 1, 0, 3, 0.1], top_k=[0, 4, 0, 0, 1, 0, 2, 0],
                   repetition_penalty=1.5, presence_penalty=0.7, history=[[0, 1], [2, 3], [4, -1],
-                  [5, 6], [7, 8], [9, 9], [10, 11], [12, 13]], history_is_output=[[True, True]] * 8)
+                  [5, 6], [7, 8], [9, 9], [10, 11], [12, 13]], history_is_output=[[True, True]] * 8,
+                  num_logprobs=5)
     out = _run(logits, s)
     ref = _log_softmax(logits)
     np.testing.assert_allclose(out.logprobs, ref[np.arange(8), out.tokens], atol=1e-5)

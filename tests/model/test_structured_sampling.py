@@ -45,7 +45,8 @@ def test_the_packing_is_the_one_the_host_reads():
 def test_greedy_rows_take_the_best_allowed_token_and_keep_raw_logprobs():
     logits = _logits()
     allowed = [[3, 31, 35], [31], [0, 39], [32], list(range(_VOCAB)), [7], [8, 9], [38]]
-    got = _run(logits, np.stack([_mask(ids) for ids in allowed]), temperature=0.0)
+    got = _run(logits, np.stack([_mask(ids) for ids in allowed]), temperature=0.0,
+               num_logprobs=3)  # rows asking for logprobs: the top-K is computed
     raw = jax.nn.log_softmax(logits, axis=-1)
     for row, ids in enumerate(allowed):
         assert got.tokens[row] == ids[int(np.argmax(logits[row, ids]))]

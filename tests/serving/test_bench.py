@@ -102,6 +102,7 @@ def test_quick_run_writes_the_full_schema_plots_and_roofline(tmp_path, capsys):
                       ("roofline", dict), ("plots", dict)):
         assert isinstance(results[key], kind), key
     assert results["num_requests"] == 16
+    assert results["engine_config"]["quantization"] == "auto" and results["weight_bytes"] > 0
     assert {"git_commit", "machine", "jax", "devices"} <= set(results["environment"])
     for policy in ("continuous", "static"):
         r = results["results"][policy]

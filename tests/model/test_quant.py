@@ -1,0 +1,259 @@
+"""Quantized kernels: the matmul against a float reference, the compiled HLO, GGUF blocks read
+straight into kernels against gguf's own dequantizer, and load-time quantization."""
+
+from __future__ import annotations
+
+import re
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from meshserve.model.config import ModelConfig
+from meshserve.model.gguf_blocks import BLOCK_TYPES, decode_blocks
+from meshserve.model.layers import Dense
+from meshserve.model.loaders import load_gguf
+from meshserve.model.quant import (QuantizedKernel, quantize_model, quantized_arrays,
+                                   quantized_matmul, scheme_plans, weight_bytes)
+from meshserve.model.quantization import (QuantFormat, QuantizedArray, dequantize, from_codes,
+                                          quantize, scheme_format)
+from meshserve.model.steps import forward_dense
+from meshserve.model.transformer import create_model, model_from_params
+from tests.model.test_loaders import (gguf_llama_metadata, gguf_llama_tensors,
+                                      hf_llama_tensors, write_gguf)
+
+GGML = gguf.GGMLQuantizationType
+
+# (spec, kernel shape, logical axes, contracted axes): every kind of Dense the models hold.
+DENSES = [
+    ("nd,dqh->nqh", (64, 4, 32), ("embed", "heads", "head_dim"), 1),  # q, k, v
+    ("nqh,qhd->nd", (4, 32, 64), ("heads", "head_dim", "embed"), 2),  # o
+    ("nf,fd->nd", (128, 64), ("ffw", "embed"), 1),  # down
+    ("...d,dv->...v", (64, 96), ("embed", "vocab"), 1),  # an untied lm_head
+]
+GROUPED_INT8 = QuantFormat(bits=8, group=32, num_contracted=1, num_out=1, has_mins=True,
+                           scale_dtype="float16")
+
+
+def _kernel(q: QuantizedArray, axes) -> QuantizedKernel:
+    return QuantizedKernel(q.map(jnp.asarray), axes)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4", "int4-g64"])
+@pytest.mark.parametrize("spec, shape, axes, contracted", DENSES)
+def test_quantized_matmul_matches_the_dequantized_kernel(spec, shape, axes, contracted, scheme):
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal(shape).astype(np.float32) * 0.1
+    fmt = scheme_format(scheme, contracted, len(shape) - contracted)
+    if shape[-(fmt.num_out + 1)] % (fmt.group or 1):
+        pytest.skip("the contracted axis does not divide into groups of 64")
+    q = quantize(w, fmt)
+    w_hat = dequantize(q)
+    # Round to nearest: each weight within half a step of its group's grid.
+    step = 2 * np.abs(w).max() / 254 if fmt.bits == 8 else (w.max() - w.min()) / 15
+    assert np.abs(w_hat - w).max() <= step / 2 + 1e-3
+    x = jnp.asarray(rng.standard_normal((5, *shape[:contracted])).astype(np.float32))
+    y = jax.jit(lambda x: quantized_matmul(spec, x, _kernel(q, axes)))(x)
+    np.testing.assert_allclose(y, np.einsum(spec, np.asarray(x), w_hat), rtol=1e-5, atol=2e-5)
+
+
+def test_grouped_int8_with_minimums_matches_its_values():
+    rng = np.random.default_rng(1)
+    codes = rng.integers(0, 32, (4, 32, 48))  # [n, group, out]: Q5_1's range
+    scales = rng.uniform(0.01, 0.02, (4, 48)).astype(np.float16)
+    mins = rng.uniform(-0.2, 0.0, (4, 48)).astype(np.float16)
+    q = from_codes(codes, scales, mins, GROUPED_INT8)
+    w = codes * scales[:, None].astype(np.float32) + mins[:, None].astype(np.float32)
+    np.testing.assert_array_equal(dequantize(q), w.reshape(128, 48))
+    x = rng.standard_normal((3, 128)).astype(np.float32)
+    y = quantized_matmul("nf,fd->nd", jnp.asarray(x), _kernel(q, ("ffw", "embed")))
+    np.testing.assert_allclose(y, x @ w.reshape(128, 48), rtol=1e-5, atol=1e-5)
+
+
+def _f32_buffers(hlo: str) -> list[int]:
+    """Element counts of every f32 array an instruction (not a parameter) of the compiled HLO
+    produces."""
+    return [int(np.prod([int(d) for d in shape.split(",") if d]))
+            for line in hlo.splitlines() if "parameter(" not in line
+            for shape in re.findall(r"= f32\[([\d,]*)\]", line)]
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_dequantized_values_stay_within_one_layer(scheme):
+    """SmolLM2's down projection in a scan of 4 layers: an int8 kernel is dequantized one layer
+    at a time (never the stacked kernel: the conversion is not hoisted out of the scan), an
+    int4 kernel half a layer at a time. The float matmul of the converted stack is the control:
+    it does materialise the whole stack."""
+    layers, rows, cols = 4, 1536, 576
+    stacked, one_layer = layers * rows * cols, rows * cols
+    x = jnp.ones((4, rows), jnp.float32)
+    codes = jnp.ones((layers, rows, cols), jnp.int8)
+    naive = jax.jit(lambda x, w: jax.lax.scan(
+        lambda h, w: (h + jnp.tile(h @ w, 3)[:, :rows], None), x, w.astype(jnp.float32))[0])
+    assert max(_f32_buffers(naive.lower(x, codes).compile().as_text())) == stacked
+    w = np.random.default_rng(0).standard_normal((layers, rows, cols)).astype(np.float32)
+    kernel = _kernel(quantize(w, scheme_format(scheme, 1, 1)), ("layers", "ffw", "embed"))
+    graphdef, state = nnx.split(kernel)
+
+    def scanned(x, state):
+        def layer(h, s):
+            y = quantized_matmul("nf,fd->nd", h, nnx.merge(graphdef, s))
+            return h + jnp.tile(y, 3)[:, :rows], None
+        return jax.lax.scan(layer, x, state)[0]
+
+    biggest = max(_f32_buffers(jax.jit(scanned).lower(x, state).compile().as_text()))
+    assert biggest == (one_layer if scheme == "int8" else one_layer // 2)
+
+
+# -- GGUF blocks -------------------------------------------------------------------------------
+
+
+def random_blocks(qtype: GGML, rows: int, width: int, seed: int = 0) -> np.ndarray:
+    """Random bytes of a tensor of `qtype`, with every float16 field set to a sane value."""
+    rng = np.random.default_rng(seed)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, width // block_size, type_size), dtype=np.uint8)
+    halves = {GGML.Q6_K: [208], GGML.Q4_K: [0, 2], GGML.Q5_K: [0, 2]}.get(qtype, [0])
+    if qtype in (GGML.Q4_1, GGML.Q5_1):
+        halves = [0, 2]
+    for offset in halves:
+        values = rng.uniform(-0.05, 0.05, raw.shape[:2]).astype(np.float16)
+        raw[..., offset:offset + 2] = values[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", list(BLOCK_TYPES))
+def test_block_fields_give_what_gguf_dequantizes(qtype):
+    raw = random_blocks(qtype, 6, 512)
+    blocks = decode_blocks(raw, qtype, (6, 512))
+    low, high = BLOCK_TYPES[qtype].code_range
+    assert low <= blocks.codes.min() and blocks.codes.max() <= high
+    assert blocks.codes.min() < low + 4 and blocks.codes.max() > high - 4  # the range is used
+    scales = np.repeat(blocks.scales.astype(np.float32), blocks.group, axis=1)
+    values = blocks.codes.astype(np.float32) * scales
+    if blocks.mins is not None:
+        values = values + np.repeat(blocks.mins.astype(np.float32), blocks.group, axis=1)
+    np.testing.assert_array_equal(values, gguf.quants.dequantize(raw, qtype))
+
+
+TINY_256 = dict(D=256, F=512, L=2, H=4, K=2, V=64)
+KERNEL_TYPES = {  # one GGUF block type per kernel, every layer alike
+    "attn_q": GGML.Q4_0, "attn_k": GGML.Q4_1, "attn_v": GGML.Q5_0, "attn_output": GGML.Q5_1,
+    "ffn_gate": GGML.Q4_K, "ffn_up": GGML.Q5_K, "ffn_down": GGML.Q6_K,
+}
+
+
+@pytest.fixture(scope="module")
+def quantized_gguf(tmp_path_factory):
+    """A GGUF whose kernels are each in another block type, Q/K permuted llama.cpp's way, the
+    embedding in Q8_0, and blk.1.ffn_up in Q8_0 where blk.0's is Q5_K."""
+    d = TINY_256
+    hf = {"hidden_size": d["D"], "intermediate_size": d["F"], "num_hidden_layers": d["L"],
+          "num_attention_heads": d["H"], "num_key_value_heads": d["K"], "vocab_size": d["V"],
+          "tie_word_embeddings": True, "model_type": "llama"}
+    tensors = gguf_llama_tensors(hf_llama_tensors(hf), L=d["L"], H=d["H"], K=d["K"],
+                                 permute=True)
+    for name in list(tensors):
+        kind = name.split(".")[-2]
+        qtype = KERNEL_TYPES.get(kind, GGML.Q8_0 if name == "token_embd.weight" else None)
+        if name == "blk.1.ffn_up.weight":
+            qtype = GGML.Q8_0
+        if qtype is not None:
+            tensors[name] = (gguf.quants.quantize(tensors[name].astype(np.float32), qtype)
+                             if qtype in (GGML.Q8_0, GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q5_1)
+                             else random_blocks(qtype, *tensors[name].shape, seed=len(name)),
+                             qtype)
+    path = tmp_path_factory.mktemp("gguf") / "blocks.gguf"
+    return write_gguf(path, "llama", gguf_llama_metadata("llama", **d), tensors)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_gguf_blocks_load_into_kernels_exactly(quantized_gguf, scheme):
+    """Every kernel whose block type fits the scheme's bits is read without loss: its values
+    equal the float loader's (which dequantizes with gguf); the rest are quantized floats."""
+    _, floats = load_gguf(quantized_gguf)
+    config, params = load_gguf(quantized_gguf, plans=scheme_plans(scheme))
+    kept = {"int8": {"q", "k", "v", "o", "gate", "down"}, "int4": {"q", "k", "gate"}}[scheme]
+    for key, value in params.items():
+        if not key.endswith("/kernel"):
+            assert not isinstance(value, QuantizedArray)
+            continue
+        assert isinstance(value, QuantizedArray) and value.format.bits == (8 if scheme == "int8"
+                                                                           else 4)
+        name = key.split("/")[-2]
+        if name in kept:
+            np.testing.assert_array_equal(dequantize(value), floats[key], err_msg=key)
+        else:  # up mixes Q5_K and Q8_0 over its layers: requantized, within its steps
+            assert value.format == scheme_format(scheme, value.format.num_contracted,
+                                                 value.format.num_out), key
+            tolerance = 0.02 if scheme == "int8" else 0.15
+            assert np.abs(dequantize(value) - floats[key]).max() < tolerance * np.abs(
+                floats[key]).max(), key
+    model = model_from_params(config, params)
+    assert set(quantized_arrays(model)) == {k for k in params if k.endswith("/kernel")}
+
+
+def test_auto_keeps_every_block_type_that_fits_and_leaves_the_rest_float(quantized_gguf):
+    """auto: 4-bit blocks as int4, 5- to 8-bit ones as int8, exactly; a kernel whose layers
+    mix block formats (up: Q5_K and Q8_0) stays float."""
+    _, floats = load_gguf(quantized_gguf)
+    _, params = load_gguf(quantized_gguf, plans=scheme_plans("auto"))
+    bits = {key.split("/")[-2]: value.format.bits for key, value in params.items()
+            if isinstance(value, QuantizedArray)}
+    assert bits == {"q": 4, "k": 4, "gate": 4, "v": 8, "o": 8, "down": 8}
+    for key, value in params.items():
+        want = floats[key]
+        got = dequantize(value) if isinstance(value, QuantizedArray) else value
+        np.testing.assert_array_equal(got, want, err_msg=key)
+
+
+def test_int4_model_computes_the_float_models_function(quantized_gguf):
+    """A model of quantized kernels gives the logits of the float model of the same weights, up
+    to summation order."""
+    config, quantized = load_gguf(quantized_gguf, plans=scheme_plans("int4"))
+    tokens = jnp.asarray(np.arange(12, dtype=np.int32).reshape(2, 6) % config.vocab_size)
+    lengths = jnp.asarray([6, 4], jnp.int32)
+    # The same weights as floats (the kept kernels equal the float loader's, as shown above).
+    floats = {k: dequantize(v) if isinstance(v, QuantizedArray) else v
+              for k, v in quantized.items()}
+    logits = [forward_dense(*nnx.split(model_from_params(config, p)), tokens, lengths)
+              for p in (floats, quantized)]
+    np.testing.assert_allclose(logits[1], logits[0], rtol=1e-4, atol=1e-3)
+
+
+def test_quantize_model_replaces_float_kernels_and_shrinks_the_weights():
+    config = ModelConfig.preset("tiny-llama", head_dim=32)
+    model = create_model(config)
+    before = weight_bytes(model)
+    quantize_model(model, "int4")
+    assert set(quantized_arrays(model)) == {
+        "layers/attn/q/kernel", "layers/attn/k/kernel", "layers/attn/v/kernel",
+        "layers/attn/o/kernel", "layers/mlp/gate/kernel", "layers/mlp/up/kernel",
+        "layers/mlp/down/kernel"}
+    assert not isinstance(model.lm_head.kernel, QuantizedKernel)  # the LM head stays float
+    assert weight_bytes(model) < 0.6 * before  # the embedding, LM head and norms stay float
+
+
+def test_a_mixtures_router_and_experts_stay_float():
+    """Only attention is quantized in a mixture: routing stays the float model's, and the routed
+    experts are stacked weights the grouped matmul reads."""
+    model = quantize_model(create_model(ModelConfig.preset("tiny-mixtral")), "int8")
+    assert set(quantized_arrays(model)) == {
+        "layers/attn/q/kernel", "layers/attn/k/kernel", "layers/attn/v/kernel",
+        "layers/attn/o/kernel"}
+    assert set(scheme_plans("auto")(ModelConfig.preset("tiny-mixtral"))) == set(
+        quantized_arrays(model))
+
+
+def test_a_kernel_that_does_not_divide_into_groups_is_refused():
+    model = create_model(ModelConfig.preset("tiny-llama"))  # head_dim 16: o's groups of 32 fail
+    with pytest.raises(ValueError, match="layers/attn/o/kernel: its contracted axis of 16"):
+        quantize_model(model, "int4")
+
+
+def test_unknown_scheme_is_refused_before_loading():
+    with pytest.raises(ValueError, match="quantization 'int3' is not supported"):
+        scheme_plans("int3")

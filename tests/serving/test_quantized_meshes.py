@@ -1,0 +1,77 @@
+"""Quantized weights on meshes: a tensor-, data- and pipeline-parallel engine gives the tokens
+and logprobs of one device with the same quantized weights, the codes and scales are split the way
+the float kernels are, and an orbax checkpoint of a sharded quantized model restores them
+exactly, on another mesh too."""
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from meshserve.model.checkpoint import load_checkpoint, read_manifest, save_checkpoint
+from meshserve.model.config import ModelConfig
+from meshserve.model.quant import quantize_model, quantized_arrays
+from meshserve.model.transformer import model_from_params
+from meshserve.serving.config import EngineConfig
+from meshserve.serving.engine import Engine
+from meshserve.sharding.loading import load_sharded
+from tests.conftest import random_params
+from tests.serving.test_meshes import ENGINE, _assert_same, _run, _tiny_requests
+
+# head_dim 32: the o projection's contracted head_dim divides into int4 groups of 32. Three
+# layers: two pipeline stages pad the stack to four with a layer of zero codes and scales.
+CONFIG = ModelConfig.preset("tiny-llama", head_dim=32, num_layers=3)
+REQUESTS = _tiny_requests()[:3]
+
+
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def quantized(request):
+    """(scheme, a quantized tiny model, its one-device outputs)."""
+    model = quantize_model(model_from_params(CONFIG, random_params(CONFIG)), request.param)
+    want = _run(Engine.from_model(model, None, EngineConfig(**ENGINE)), REQUESTS)
+    return request.param, model, want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["data=2,model=2"])
+def test_quantized_mesh_matches_one_device(quantized, mesh):
+    scheme, model, want = quantized
+    engine = Engine.from_model(model, None, EngineConfig(mesh=mesh, **ENGINE))
+    _assert_same(_run(engine, REQUESTS), want)
+    # down is row-parallel: its codes split over the contracted ffw axis, and so do grouped
+    # scales; per-channel scales (int8) belong to the output axis, which is not split.
+    kernel = engine.runner.params["layers"]["mlp"]["down"]["kernel"]
+    split = {name: "model" in tuple(kernel[name].get_value().sharding.spec)
+             for name in ("values", "scales")}
+    assert split == {"values": True, "scales": scheme == "int4"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["stage=2,model=2"])
+def test_quantized_stages_match_one_device(quantized, mesh):
+    """Each stage holds its own layers' codes and scales (the padded fourth layer's are zeros)
+    and runs them through the same quantized matmul."""
+    scheme, model, want = quantized
+    engine = Engine.from_model(model, None, EngineConfig(mesh=mesh, **ENGINE))
+    _assert_same(_run(engine, REQUESTS), want)
+    kernel = engine.runner.params["layers"]["mlp"]["down"]["kernel"]
+    values = kernel["values"].get_value()
+    assert values.shape[0] == 4 and "stage" in tuple(values.sharding.spec)
+    np.testing.assert_array_equal(np.asarray(kernel["scales"].get_value())[3], 0)
+
+
+@pytest.mark.slow
+def test_quantized_checkpoint_round_trips_onto_another_mesh(quantized, tmp_path):
+    scheme, model, want = quantized
+    engine = Engine.from_model(model, None, EngineConfig(mesh="model=2", **ENGINE))
+    sharded = nnx.merge(engine.runner.graphdef, engine.runner.params)  # as the mesh holds it
+    directory = save_checkpoint(sharded, None, tmp_path / "ckpt")
+    assert set(read_manifest(directory).quantized) == set(quantized_arrays(model))
+    _, restored, _ = load_checkpoint(directory)
+    for key, q in quantized_arrays(model).items():
+        back = quantized_arrays(restored)[key]
+        assert back.format == q.format
+        for name, array in q.arrays().items():
+            np.testing.assert_array_equal(np.asarray(back.arrays()[name]), np.asarray(array))
+    loaded = load_sharded(str(directory), "data=2,model=2")
+    engine = Engine.from_model(loaded.model, None, EngineConfig(mesh="data=2,model=2", **ENGINE))
+    _assert_same(_run(engine, REQUESTS), want)
