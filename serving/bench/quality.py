@@ -56,9 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text", type=Path, required=True, help="text for the perplexity")
     parser.add_argument("--window", type=int, default=512, help="tokens per perplexity window")
     parser.add_argument("--output", type=Path, default=None, help="write JSON here")
+    bench.add_allow_dirty_argument(parser)
 
 
 def run(args: argparse.Namespace) -> None:
+    source = bench.provenance(allow_dirty=args.allow_dirty) if args.output else None
     reference = load_pretrained(args.model)
     if reference.tokenizer is None:
         raise ValueError(f"{args.model!r} has no tokenizer; the perplexity text needs one")
@@ -102,7 +104,7 @@ def run(args: argparse.Namespace) -> None:
             "workload": args.workload, "num_prompts": args.num_prompts,
             "max_tokens": args.max_tokens, "text": str(args.text),
             "text_tokens": len(text_ids), "window": args.window,
-            "environment": bench.environment(), "models": rows})
+            "environment": bench.environment(source), "models": rows})
 
 
 def _print(name: str, row: dict[str, Any]) -> None:
