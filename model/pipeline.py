@@ -6,24 +6,31 @@ and the `model` axis still splits every layer Megatron-style inside a stage. The
 norm and output projection are on every stage (replicated over `stage`); only stage 0 embeds and
 only the last stage samples.
 
-The call is `jax.shard_map` over the manual axes `data` and `stage` (`model` stays automatic), with
-one `lax.fori_loop` over ticks. At tick t stage s runs unit u = t - s of the schedule:
+Every unit of the schedule is a ragged batch (`RaggedBatch`), and every stage runs the parts of
+the ragged step (`meshserve.model.steps`) on it, so the attention backends (`jnp`, `pallas-gpu`)
+and whatever the layers compute serve pipelines exactly as they serve one device. The call is
+`jax.shard_map` over the manual axes `data` and `stage` (`model` stays automatic), with one
+`lax.fori_loop` over ticks. At tick t stage s runs unit u = t - s of the schedule:
 
     x  = stage 0 ? embed(unit's tokens) : the activations received at the end of tick t - 1
-    y  = this stage's layers on x, reading and writing its own KV pages (a `lax.switch` on the
-         unit's kind: IDLE passes through, DECODE is [R, 1] rows, PREFILL one row of T tokens)
-    last stage: logits and the sampled tokens of unit u, written to the call's outputs
+    y  = `ragged_layers`: this stage's layers on x, reading and writing its own KV pages (a
+         `lax.switch` on the unit's kind: IDLE passes through, DECODE is a ragged batch of R
+         token slots, PREFILL one of T slots packing up to P prompt chunks)
+    last stage: `ragged_outputs`: the unit's sampled tokens (and prompt logprobs), written to the
+         call's outputs
     ppermute    y to stage s + 1, and the last stage's tokens to stage 0 (the feedback)
 
-Stage 0 keeps every fed-back token in a table [U, R]; a decode row whose input token is a
-PLACEHOLDER reads it there (`decode_source`), so K decode steps run with no host round trip. The
-schedule guarantees that a row only reads a unit at least S ticks older. Unit kinds are shared by
-all data-parallel replicas, so every device of a stage takes the same branch and the collectives
-inside (the `model` axis' all-reduces) always meet their peers.
+Stage 0 keeps every fed-back token in a table [U, O] (O = max(R, P) sampled rows a unit); a decode
+row whose input token is a PLACEHOLDER reads it there (`decode_source`), so K decode steps run
+with no host round trip. The schedule guarantees that a row only reads a unit at least S ticks
+older. Unit kinds are shared by all data-parallel replicas, so every device of a stage takes the
+same branch and the collectives inside (the `model` axis' all-reduces) always meet their peers.
 
-Knobs that cost a compile: the `UnitShape` (units per call, rows, prefill width, pages), the
-cache geometry and `max_logprobs`. One call shape serves every schedule: the loop runs only as
-many ticks as the schedule has.
+The compiled set is two programs, keyed `(has targets,)`: every call without prompt logprobs
+runs `(0,)`, and a call with any runs `(1,)`, whose PREFILL units carry targets and return the
+logprobs of every token. Knobs that cost a compile: the `UnitShape` (units per call, rows,
+prefill width and rows, pages), the cache geometry, `max_logprobs` and the attention backend. One
+program serves every schedule of its key: the loop runs only as many ticks as the schedule has.
 """
 
 from __future__ import annotations
@@ -31,23 +38,25 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
+from tqdm.auto import tqdm
 
-from meshserve.batching.pipeline import (DECODE, IDLE, PREFILL, PipelineSchedule, UnitShape,
-                                         build_schedule, unit_results)
+from meshserve.batching.pipeline import (IDLE, PipelineSchedule, UnitBatches, UnitOutputs,
+                                         UnitShape, build_schedule, unit_results)
 from meshserve.batching.runner import SampledRows
 from meshserve.batching.sampling import SamplingArrays
 from meshserve.batching.structured import mask_words
-from meshserve.model.attention import KVCache, SubBatch, init_kv_cache, paged_context
+from meshserve.model.attention import KVCache, RaggedBatch, init_kv_cache
 from meshserve.model.runner import (DeviceLayout, PlanChannel, RunnerConfig,
                                     output_sharding, peer_errors, to_devices)
-from meshserve.model.sampler import Sampled, host_sampling, sample
-from meshserve.model.transformer import RESIDUAL_AXES, apply_layers
+from meshserve.model.sampler import Sampled, host_sampling
+from meshserve.model.steps import RaggedOutput, embed, ragged_layers, ragged_outputs
 
 STAGE_AXIS = "stage"
 
@@ -57,18 +66,19 @@ STAGE_AXIS = "stage"
 class PipelineUnits:
     """A schedule's units on device; every leaf has leading axes [replica, unit]."""
 
-    decode: SubBatch  # tokens [D, U, R, 1], page_table [D, U, R, M], ...
+    decode: RaggedBatch  # tokens [D, U, R], page_table [D, U, R, M], ...
     decode_source: jax.Array  # [D, U, R] flat index into the fed-back tokens, or -1
-    prefill: SubBatch  # tokens [D, U, 1, T], page_table [D, U, 1, M], ...
+    prefill: RaggedBatch  # tokens [D, U, T], page_table [D, U, P, M], ...
     decode_sampling: SamplingArrays  # [D, U, R, ...]
-    prefill_sampling: SamplingArrays  # [D, U, 1, ...]
+    prefill_sampling: SamplingArrays  # [D, U, P, ...]
 
 
 class PipelineRunner:
-    """Owns the stage-split weights, the KV cache and the compiled pipeline call.
+    """Owns the stage-split weights, the KV cache and the compiled pipeline calls.
 
     `model` is padded already (heads for `model`, layers for `stage`) with its layers stacked;
-    `config` gives the cache geometry (per replica) and the sampler's limits; `shape` the units.
+    `config` gives the cache geometry (per replica), the sampler's limits and the attention
+    backend; `shape` the units.
     """
 
     def __init__(self, model: nnx.Module, config: RunnerConfig, layout: DeviceLayout,
@@ -79,8 +89,9 @@ class PipelineRunner:
         self.num_stages = layout.mesh.shape[STAGE_AXIS]
         assert shape.num_stages == self.num_stages and shape.num_replicas == self.num_replicas
         assert model.config.num_layers % self.num_stages == 0, "pad the layers first"
+        assert shape.max_pages <= config.page_table_width and shape.page_size == config.page_size
         self.last_wait_seconds = 0.0
-        self.attention = "jnp"  # each stage's units run the portable sub-batch paged attention
+        self.attention = config.backend()
         graphdef, params = nnx.split(model)
         self.graphdef, self.params = graphdef, jax.device_put(params, layout.params)
         c = model.config
@@ -91,33 +102,49 @@ class PipelineRunner:
         self.cache: KVCache = jax.jit(init, out_shardings=layout.cache)()
         self._units_sharding = NamedSharding(layout.mesh, PartitionSpec(*layout.replica_axes))
         self._replicated = NamedSharding(layout.mesh, PartitionSpec())
-        self._call = _compile(self.graphdef, layout, jax.tree.map(lambda a: a.sharding,
-                                                                  self.params),
-                              num_stages=self.num_stages, num_top=config.max_logprobs)
+        self._call = _jit_call(self.graphdef, layout,
+                               jax.tree.map(lambda a: a.sharding, self.params),
+                               num_stages=self.num_stages, num_top=config.max_logprobs,
+                               attention=self.attention, block_pages=config.block_pages)
+        self._programs: dict[tuple[int, ...], jax.stages.Compiled] = {}
         self.last_user: object | None = None  # whoever ran the last step (engines sharing the
         # runner take turns with its KV cache)
         self.channel: PlanChannel | None = None  # a multi-process run sets it on every process
         # (only process 0 sends; see meshserve.serving.multihost)
 
-    def warmup(self, *, progress: bool = True) -> list[tuple[()]]:
-        """Compiles the one pipeline call every schedule runs, by running an empty schedule
-        (it computes nothing: every unit is idle)."""
-        self.execute(build_schedule([], self.shape))
-        return [()]
+    @staticmethod
+    def step_keys() -> list[tuple[int]]:
+        """Every compiled call's key `(has targets,)`."""
+        return [(0,), (1,)]
+
+    def warmup(self, keys: Sequence[tuple[int]] | None = None, *,
+               progress: bool = True) -> list[tuple[int]]:
+        """Compiles the call of each key (default: both); runs nothing."""
+        keys = self.step_keys() if keys is None else list(keys)
+        for key in tqdm(keys, desc="warming up", unit="program", disable=not progress):
+            self.program(key)
+        return keys
+
+    def program(self, key: tuple[int, ...]) -> jax.stages.Compiled:
+        """The compiled call of `key`, compiled (or loaded from the persistent compilation
+        cache) on first use. Calls run it directly, so the compiled set is exactly these."""
+        key = tuple(key)
+        if key not in self._programs:
+            units, kinds, ticks = self.to_devices(self.template(key))
+            self._programs[key] = self._call.lower(self.params, self.cache, kinds, units,
+                                                   ticks).compile()
+        return self._programs[key]
 
     def execute(self, schedule: PipelineSchedule) -> list[list[SampledRows]]:
         """Runs the schedule; per round, per sub-batch of its plan, each row's sampled token."""
         assert schedule.shape == self.shape, (schedule.shape, self.shape)
+        key = (int(schedule.has_targets),)
         with peer_errors(self.channel):
-            (out,) = self.run_calls([()], [self.host_arrays(schedule)])
+            (out,) = self.run_calls([key], [self.host_arrays(schedule)])
             started = time.perf_counter()
             host = jax.device_get(out)  # the call's one copy to the host
         self.last_wait_seconds = time.perf_counter() - started
-        last = self.num_stages - 1  # only the last stage samples: take its copy
-        tokens, logprobs, top_ids, top_logprobs = (np.asarray(a)[:, last] for a in (
-            host.tokens, host.logprobs, host.top_ids, host.top_logprobs))
-        rounds = unit_results(schedule, tokens, logprobs, top_ids, top_logprobs)
-        return [[SampledRows(*batch) for batch in batches] for batches in rounds]
+        return unit_results(schedule, _last_stage(host, self.num_stages - 1))
 
     def host_arrays(self, schedule: PipelineSchedule) -> tuple[PipelineUnits, np.ndarray,
                                                                 np.ndarray]:
@@ -125,10 +152,16 @@ class PipelineRunner:
         return (self.host_units(schedule), np.asarray(schedule.kinds, np.int32),
                 np.array(schedule.num_ticks, np.int32))
 
-    def template(self, key: tuple[int, ...] = ()) -> tuple[PipelineUnits, np.ndarray,
-                                                            np.ndarray]:
-        """Zero host arrays shaped like every call's (one shape serves every schedule)."""
-        return self.host_arrays(build_schedule([], self.shape))
+    def template(self, key: tuple[int, ...] = (0,)) -> tuple[PipelineUnits, np.ndarray,
+                                                              np.ndarray]:
+        """Zero host arrays shaped like every call's of `key` (one shape serves every
+        schedule)."""
+        schedule = build_schedule([], self.shape)
+        if key[0]:
+            targets = np.zeros_like(schedule.prefill.tokens)
+            schedule = dataclasses.replace(
+                schedule, prefill=dataclasses.replace(schedule.prefill, targets=targets))
+        return self.host_arrays(schedule)
 
     def to_devices(self, arrays):
         units, kinds, ticks = arrays
@@ -136,43 +169,61 @@ class PipelineRunner:
                 *to_devices((kinds, ticks), self._replicated))
 
     def run_calls(self, keys, arrays) -> list:
-        """Dispatches the call for each entry of `arrays` (on process 0 of a multi-process run,
-        after sending it to the others: see `ModelRunner.run_calls`)."""
+        """Dispatches the call of each key for each entry of `arrays` (on process 0 of a
+        multi-process run, after sending it to the others: see `ModelRunner.run_calls`)."""
         if self.channel is not None:
             self.channel.publish_run(keys, arrays)
         outs = []
-        for entry in arrays:
+        for key, entry in zip(keys, arrays):
             units, kinds, ticks = self.to_devices(entry)
-            out, self.cache = self._call(self.params, self.cache, kinds, units, ticks)
+            out, self.cache = self.program(key)(self.params, self.cache, kinds, units, ticks)
             outs.append(out)
         return outs
 
     def host_units(self, schedule: PipelineSchedule) -> PipelineUnits:
         """The schedule as numpy leaves shaped for the call."""
         s, c = schedule, self.config
-        D, U, R = s.decode_tokens.shape
-        history = c.max_pages_per_seq * c.page_size
-        decode = SubBatch(tokens=s.decode_tokens[..., None], positions=s.decode_positions[..., None],
-                          num_new=s.decode_num_new, kv_lens=s.decode_kv_lens,
-                          page_table=s.decode_pages)
-        prefill = SubBatch(tokens=s.prefill_tokens[:, :, None], positions=s.prefill_positions[:, :, None],
-                           num_new=s.prefill_num_new[..., None], kv_lens=s.prefill_kv_lens[..., None],
-                           page_table=s.prefill_pages[:, :, None])
+        D, U, R = s.decode_source.shape
 
         def sampling(arrays, rows):
-            flat = host_sampling(arrays, history_width=history, banned_width=c.max_stop_ids,
+            flat = host_sampling(arrays, history_width=c.history_width,
+                                 banned_width=c.max_stop_ids,
                                  mask_width=mask_words(self.model_config.vocab_size))
             return jax.tree.map(lambda a: a.reshape(D, U, rows, *a.shape[1:]), flat)
 
-        return PipelineUnits(decode=decode, decode_source=s.decode_source, prefill=prefill,
+        return PipelineUnits(decode=self._ragged(s.decode), decode_source=s.decode_source,
+                             prefill=self._ragged(s.prefill),
                              decode_sampling=sampling(s.decode_sampling, R),
-                             prefill_sampling=sampling(s.prefill_sampling, 1))
+                             prefill_sampling=sampling(s.prefill_sampling,
+                                                       self.shape.prefill_rows))
+
+    def _ragged(self, units: UnitBatches) -> RaggedBatch:
+        """One kind's units as a `RaggedBatch` of numpy leaves, its page tables as wide as the
+        attention's context blocks need."""
+        fields = {f.name: getattr(units, f.name) for f in dataclasses.fields(units)}
+        table = fields["page_table"]
+        pad = self.config.page_table_width - table.shape[-1]
+        fields["page_table"] = np.pad(table, [(0, 0)] * (table.ndim - 1) + [(0, pad)])
+        return RaggedBatch(**fields)
 
 
-def _compile(graphdef, layout: DeviceLayout, param_shardings, *, num_stages: int, num_top: int):
+def _last_stage(host: RaggedOutput, last: int) -> UnitOutputs:
+    """The call's outputs [D, S, U, ...] as the last stage left them (only it samples)."""
+    take = lambda a: None if a is None else np.asarray(a)[:, last]  # noqa: E731
+    s = host.sampled
+    return UnitOutputs(tokens=take(s.tokens), logprobs=take(s.logprobs),
+                       top_ids=take(s.top_ids), top_logprobs=take(s.top_logprobs),
+                       prompt_logprobs=take(host.prompt_logprobs),
+                       prompt_top_ids=take(host.prompt_top_ids),
+                       prompt_top_logprobs=take(host.prompt_top_logprobs))
+
+
+def _jit_call(graphdef, layout: DeviceLayout, param_shardings, *, num_stages: int,
+              num_top: int, attention: str, block_pages: int):
     assert layout.replica_axes, "pipeline units are laid out per data-parallel replica"
     manual = tuple(layout.replica_axes) + (STAGE_AXIS,)
     body = functools.partial(_pipeline_body, graphdef, num_stages=num_stages, num_top=num_top,
+                             attention=attention, block_pages=block_pages,
                              constrain=layout.constrain, replica_axes=tuple(layout.replica_axes))
     params_spec = jax.tree.map(lambda sharding: _only(sharding.spec, manual), param_shardings)
     cache_spec = _only(layout.cache.spec, manual)
@@ -201,8 +252,8 @@ def _only(spec: PartitionSpec, axes: tuple[str, ...]) -> PartitionSpec:
 
 
 def _pipeline_body(graphdef, params, cache: KVCache, kinds: jax.Array, units: PipelineUnits,
-                   num_ticks: jax.Array, *, num_stages: int, num_top: int, constrain,
-                   replica_axes: tuple[str, ...]):
+                   num_ticks: jax.Array, *, num_stages: int, num_top: int, attention: str,
+                   block_pages: int, constrain, replica_axes: tuple[str, ...]):
     """One stage of one replica: params hold this stage's layers, cache its layers' pages."""
     model = nnx.merge(graphdef, params)
     stage = jax.lax.axis_index(STAGE_AXIS)
@@ -210,36 +261,36 @@ def _pipeline_body(graphdef, params, cache: KVCache, kinds: jax.Array, units: Pi
     units = jax.tree.map(lambda a: a[0], units)  # this replica's units
     num_units, rows = units.decode_source.shape
     width = units.prefill.tokens.shape[-1]
-    size = max(rows, width)
-    hidden = model.config.hidden_size
+    out_rows = max(rows, units.prefill.kv_lens.shape[-1])  # O sampled rows a unit
+    size = max(rows, width)  # the activations passed on: [size, D]
     constrain = constrain or (lambda x, axes: x)
 
     def padded(x):  # [n, D] -> [size, D]
         return jnp.pad(x, ((0, size - x.shape[0]), (0, 0)))
 
-    def embed(sub: SubBatch):
-        tokens, positions = sub.tokens.reshape(-1), sub.positions.reshape(-1)
-        return padded(constrain(model.embed_tokens(tokens, positions), RESIDUAL_AXES))
+    def embed_unit(batch: RaggedBatch):
+        return padded(embed(model, batch, constrain))
 
-    def run(sub: SubBatch, x, k, v):
-        n = sub.tokens.size
-        ctx = paged_context(KVCache(k, v), (sub,))
-        y, ctx = apply_layers(model, x[:n], sub.positions.reshape(-1), ctx, constrain)
-        return padded(y), ctx.k, ctx.v
+    def run(batch: RaggedBatch, x, k, v):
+        n = batch.tokens.shape[0]
+        y, stage_cache = ragged_layers(model, x[:n], KVCache(k, v), batch, attention=attention,
+                                       block_pages=block_pages, constrain=constrain)
+        return padded(y), stage_cache.k, stage_cache.v
 
-    def sample_rows(logits, sampling: SamplingArrays) -> Sampled:
+    def whole_rows(logits):
         # Whole rows on every device of the stage: sorting a vocabulary split over `model` would
         # exchange it by collective-permute, and XLA:CPU makes every device of the program meet
         # at a collective-permute, which the other stages (in other branches) never reach.
-        logits = constrain(logits.astype(jnp.float32), (None, None))
-        got = sample(logits, sampling, num_top_logprobs=num_top, replica_axes=replica_axes)
-        return jax.tree.map(lambda a: jnp.pad(a, [(0, rows - a.shape[0])] + [(0, 0)] * (a.ndim - 1)),
-                            got)
+        return constrain(logits, (None, None))
 
-    def no_sample() -> Sampled:
-        return Sampled(tokens=jnp.zeros(rows, jnp.int32), logprobs=jnp.zeros(rows, jnp.float32),
-                       top_ids=jnp.zeros((rows, num_top), jnp.int32),
-                       top_logprobs=jnp.zeros((rows, num_top), jnp.float32))
+    def outputs(batch: RaggedBatch, y, sampling: SamplingArrays) -> RaggedOutput:
+        got = ragged_outputs(model, y[:batch.tokens.shape[0]], batch, sampling,
+                             num_top_logprobs=num_top, replica_axes=replica_axes,
+                             place_logits=whole_rows)
+        return _unit_output(got, out_rows, width, num_top, units.prefill.targets is not None)
+
+    def no_output() -> RaggedOutput:
+        return _unit_output(None, out_rows, width, num_top, units.prefill.targets is not None)
 
     def tick(t, carry):
         buf, k, v, table, out = carry
@@ -247,25 +298,22 @@ def _pipeline_body(graphdef, params, cache: KVCache, kinds: jax.Array, units: Pi
         is_unit = (u >= 0) & (u < num_units)
         uc = jnp.clip(u, 0, num_units - 1)
         kind = jnp.where(is_unit, kinds[uc], IDLE)
-        dec = jax.tree.map(lambda a: a[uc], units.decode)  # [R, 1]
+        dec = jax.tree.map(lambda a: a[uc], units.decode)  # R slots
         source = units.decode_source[uc]  # [R]
         fed = table.reshape(-1)[jnp.maximum(source, 0)]
-        dec = dataclasses.replace(dec, tokens=jnp.where(source >= 0, fed, dec.tokens[:, 0])[:, None])
-        pre = jax.tree.map(lambda a: a[uc], units.prefill)  # [1, T]
+        dec = dataclasses.replace(dec, tokens=jnp.where(source >= 0, fed, dec.tokens))
+        pre = jax.tree.map(lambda a: a[uc], units.prefill)  # T slots
         x = jax.lax.switch(jnp.where(stage == 0, kind, IDLE),
-                           [lambda: buf, lambda: embed(dec), lambda: embed(pre)])
+                           [lambda: buf, lambda: embed_unit(dec), lambda: embed_unit(pre)])
         y, k, v = jax.lax.switch(kind, [lambda: (x, k, v), lambda: run(dec, x, k, v),
                                         lambda: run(pre, x, k, v)])
         d_samp = jax.tree.map(lambda a: a[uc], units.decode_sampling)
         p_samp = jax.tree.map(lambda a: a[uc], units.prefill_sampling)
-        last_token = y[jnp.maximum(pre.num_new[0] - 1, 0)][None]  # [1, D]
-        sampled = jax.lax.switch(jnp.where(stage == last, kind, IDLE), [
-            no_sample,
-            lambda: sample_rows(model.logits(y[:rows]), d_samp),
-            lambda: sample_rows(model.logits(last_token), p_samp)])
+        result = jax.lax.switch(jnp.where(stage == last, kind, IDLE), [
+            no_output, lambda: outputs(dec, y, d_samp), lambda: outputs(pre, y, p_samp)])
         keep = is_unit & (stage == last)
-        out = jax.tree.map(lambda o, new: o.at[uc].set(jnp.where(keep, new, o[uc])), out, sampled)
-        fed_back = jax.lax.ppermute(sampled.tokens, STAGE_AXIS, [(last, 0)])
+        out = jax.tree.map(lambda o, new: o.at[uc].set(jnp.where(keep, new, o[uc])), out, result)
+        fed_back = jax.lax.ppermute(result.sampled.tokens, STAGE_AXIS, [(last, 0)])
         exited = t - last  # the unit the last stage ran this tick
         arrived = (stage == 0) & (exited >= 0) & (exited < num_units)
         ec = jnp.clip(exited, 0, num_units - 1)
@@ -273,9 +321,32 @@ def _pipeline_body(graphdef, params, cache: KVCache, kinds: jax.Array, units: Pi
         buf = jax.lax.ppermute(y, STAGE_AXIS, [(s, s + 1) for s in range(last)])
         return buf, k, v, table, out
 
-    carry = (jnp.zeros((size, hidden), jnp.dtype(model.config.dtype)), cache.k, cache.v,
-             jnp.zeros((num_units, rows), jnp.int32),
-             jax.tree.map(lambda a: jnp.zeros((num_units, *a.shape), a.dtype), no_sample()))
+    carry = (jnp.zeros((size, model.config.hidden_size), jnp.dtype(model.config.dtype)),
+             cache.k, cache.v, jnp.zeros((num_units, out_rows), jnp.int32),
+             jax.tree.map(lambda a: jnp.zeros((num_units, *a.shape), a.dtype), no_output()))
     _, k, v, _, out = jax.lax.fori_loop(0, num_ticks, tick, carry)
-    out = jax.tree.map(lambda a: a[None, None], out)  # [1 replica, 1 stage, U, R, ...]
+    out = jax.tree.map(lambda a: a[None, None], out)  # [1 replica, 1 stage, U, ...]
     return out, KVCache(k=k, v=v)
+
+
+def _unit_output(got: RaggedOutput | None, rows: int, width: int, num_top: int,
+                 has_targets: bool) -> RaggedOutput:
+    """One unit's outputs in the call's fixed shapes: sampled rows padded to `rows`, and with
+    targets the prompt logprobs of `width` token slots (zeros where the unit has none). `got`
+    None: all zeros (a tick that samples nothing)."""
+    def pad(a, n):
+        return jnp.pad(a, [(0, n - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
+
+    if got is None:
+        sampled = Sampled(tokens=jnp.zeros(rows, jnp.int32), logprobs=jnp.zeros(rows, jnp.float32),
+                          top_ids=jnp.zeros((rows, num_top), jnp.int32),
+                          top_logprobs=jnp.zeros((rows, num_top), jnp.float32))
+    else:
+        sampled = jax.tree.map(lambda a: pad(a, rows), got.sampled)
+    if not has_targets:
+        return RaggedOutput(sampled=sampled)
+    if got is None or got.prompt_logprobs is None:
+        return RaggedOutput(sampled=sampled, prompt_logprobs=jnp.zeros(width, jnp.float32),
+                            prompt_top_ids=jnp.zeros((width, num_top), jnp.int32),
+                            prompt_top_logprobs=jnp.zeros((width, num_top), jnp.float32))
+    return dataclasses.replace(got, sampled=sampled)

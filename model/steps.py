@@ -1,24 +1,25 @@
-"""The compiled steps: pure functions of (params, KV cache, step arrays).
+"""The compiled step: pure functions of (params, KV cache, step arrays).
 
 `ragged_step` is what serving runs: one flat batch of tokens (prefill chunks and decodes mixed,
-`RaggedBatch`) against the paged cache, each sequence's next token sampled on device. The
-sub-batch steps below remain as the pipeline's attention path and as a second reference.
+`RaggedBatch`) against the paged cache, each sequence's next token sampled on device. It is three
+parts, which a pipeline stage also runs on its own (`meshserve.model.pipeline`): stage 0 embeds
+(`embed`), every stage runs its slice of the layers (`ragged_layers`), and the last stage samples
+(`ragged_outputs`). Attention goes through `RaggedContext.attend`, so every attention backend
+serves both.
 
-`forward_step` runs one serving step over a tuple of sub-batches (prefill chunks, decodes, or both)
-against the paged cache and returns, per sub-batch, the logits at each row's last new token and,
-when targets are given, the logprobs of the prompt tokens. `sample_step` adds per-row sampling on
-device (`meshserve.model.sampler`), so a step copies only token ids and logprobs back to the host.
+The sub-batch steps below (`forward_step`, `sample_step`) remain as a second reference.
 
 `forward_dense` recomputes a whole padded batch with full causal attention and no cache. It exists
 to check the paged path.
 
-The KV cache is argument 1 of every paged step and is donated by the runner, so XLA updates pages
-in place.
+The KV cache is argument 1 of the step and is donated by the runner, so XLA updates pages in
+place.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +29,7 @@ from meshserve.batching.sampling import SamplingArrays
 from meshserve.model.attention import (KVCache, RaggedBatch, SubBatch, dense_context,
                                        paged_context, ragged_context)
 from meshserve.model.sampler import Sampled, sample
-from meshserve.model.transformer import run_layers
+from meshserve.model.transformer import RESIDUAL_AXES, apply_layers, run_layers
 
 
 @jax.tree_util.register_dataclass
@@ -130,18 +131,62 @@ def ragged_step(graphdef: nnx.GraphDef, params: nnx.State, cache: KVCache, batch
     sequence's next token sampled on device. `attention` names the backend
     (`meshserve.model.attention.ATTENTION_BACKENDS`)."""
     model = nnx.merge(graphdef, params)
+    x = embed(model, batch, constrain)
+    hidden, cache = ragged_layers(model, x, cache, batch, attention=attention,
+                                  block_pages=block_pages, constrain=constrain)
+    out = ragged_outputs(model, hidden, batch, sampling, num_top_logprobs=num_top_logprobs,
+                         replica_axes=replica_axes)
+    return out, cache
+
+
+def embed(model, batch: RaggedBatch, constrain=None) -> jax.Array:
+    """The residual stream's start: the batch's tokens embedded. -> [T, D]"""
+    constrain = constrain or (lambda x, axes: x)
+    return constrain(model.embed_tokens(batch.tokens, batch.positions), RESIDUAL_AXES)
+
+
+def ragged_layers(model, x: jax.Array, cache: KVCache, batch: RaggedBatch, *, attention: str,
+                  block_pages: int, constrain=None) -> tuple[jax.Array, KVCache]:
+    """`model`'s layers on the residual stream x [T, D], reading and writing `cache`.
+    -> (hidden [T, D], cache)
+
+    A pipeline stage passes a model and a cache holding only its own layers."""
     ctx = ragged_context(cache, batch, backend=attention, block_pages=block_pages)
-    hidden, ctx = run_layers(model, batch.tokens, batch.positions, ctx, constrain)  # [T, D]
-    last = jnp.take_along_axis(hidden, batch.last[:, None], axis=0)  # [S, D]
-    logits = model.logits(last).astype(jnp.float32)  # [S, V]
+    hidden, ctx = apply_layers(model, x, batch.positions, ctx, constrain)
+    return hidden, KVCache(k=ctx.k, v=ctx.v)
+
+
+def ragged_outputs(model, hidden: jax.Array, batch: RaggedBatch, sampling: SamplingArrays, *,
+                   num_top_logprobs: int, replica_axes: tuple[str, ...] = (),
+                   place_logits: Callable[[jax.Array], jax.Array] | None = None
+                   ) -> RaggedOutput:
+    """Each sequence's next token sampled from the logits at its last token, and the prompt
+    logprobs of every token when the batch has targets. `place_logits`, when given, pins the
+    sharding of every logits array before it is sampled or ranked (see the pipeline)."""
+    place_logits = place_logits or (lambda logits: logits)
+    logits = place_logits(last_logits(model, hidden, batch))  # [S, V]
     sampled = sample(logits, sampling, num_top_logprobs=num_top_logprobs,
                      replica_axes=replica_axes)
-    new_cache = KVCache(k=ctx.k, v=ctx.v)
     if batch.targets is None:
-        return RaggedOutput(sampled=sampled), new_cache
-    all_logprobs = jax.nn.log_softmax(model.logits(hidden).astype(jnp.float32), axis=-1)
-    chosen = jnp.take_along_axis(all_logprobs, batch.targets[:, None], axis=-1)[:, 0]  # [T]
-    top_logprobs, top_ids = jax.lax.top_k(all_logprobs, num_top_logprobs)  # [T, K]
-    return RaggedOutput(sampled=sampled, prompt_logprobs=chosen,
-                        prompt_top_ids=top_ids.astype(jnp.int32),
-                        prompt_top_logprobs=top_logprobs), new_cache
+        return RaggedOutput(sampled=sampled)
+    all_logits = place_logits(model.logits(hidden).astype(jnp.float32))  # [T, V]
+    chosen, top_ids, top_logprobs = prompt_logprobs(all_logits, batch.targets,
+                                                    num_top_logprobs)
+    return RaggedOutput(sampled=sampled, prompt_logprobs=chosen, prompt_top_ids=top_ids,
+                        prompt_top_logprobs=top_logprobs)
+
+
+def last_logits(model, hidden: jax.Array, batch: RaggedBatch) -> jax.Array:
+    """hidden [T, D] -> the logits at each sequence's last token [S, V], float32."""
+    last = jnp.take_along_axis(hidden, batch.last[:, None], axis=0)  # [S, D]
+    return model.logits(last).astype(jnp.float32)
+
+
+def prompt_logprobs(logits: jax.Array, targets: jax.Array, num_top: int
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """logits [T, V], targets [T] -> the logprob of each target [T], and the top `num_top` ids
+    [T, K] and logprobs [T, K] of each token's distribution."""
+    all_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(all_logprobs, targets[:, None], axis=-1)[:, 0]  # [T]
+    top_logprobs, top_ids = jax.lax.top_k(all_logprobs, num_top)  # [T, K]
+    return chosen, top_ids.astype(jnp.int32), top_logprobs

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-from meshserve.batching.buckets import token_bucket_sizes
 from meshserve.batching.config import SchedulerConfig, SchedulingKnobs, knob, same_knob
 from meshserve.batching.pipeline import UnitShape
 from meshserve.model.length_predictor import LearnedPredictor
@@ -98,14 +97,17 @@ class EngineConfig(SchedulingKnobs):
 
     def unit_shape(self) -> UnitShape:
         """The shapes of a pipeline call: S decode lanes of ceil(max_num_seqs / S) rows, prefill
-        units as wide as `prefill_chunk`, and room for `pipeline_rounds` rounds."""
+        units of `prefill_chunk` token slots packing up to `max_num_seqs` chunks, and room for
+        `pipeline_rounds` rounds."""
         mesh = self.mesh_config
         stages = mesh.stage
         return UnitShape(num_stages=stages, num_replicas=mesh.data,
                          num_units=self.pipeline_rounds * self.units_per_round(),
                          decode_rows=-(-self.max_num_seqs // stages),
                          prefill_tokens=self.prefill_chunk,
-                         max_pages=-(-self.max_model_len // self.page_size))
+                         prefill_rows=min(self.max_num_seqs, self.prefill_chunk),
+                         max_pages=-(-self.max_model_len // self.page_size),
+                         page_size=self.page_size)
 
     def units_per_round(self) -> int:
         """The most units one round can take: a prefill unit per row, the lanes, a drain and
@@ -125,11 +127,10 @@ class EngineConfig(SchedulingKnobs):
     def _chunking(self) -> dict[str, Any]:
         """How the scheduler cuts prefill chunks for this engine's runner. The ragged step pads
         only a step's total, so a chunk is cut to land the step on the nearer token bucket and
-        never to a per-chunk bucket. A pipeline's units are prefill_chunk wide: chunks are cut to
-        token buckets, and a padded sub-batch stays within the budget."""
+        never to a per-chunk bucket. A pipeline packs chunks into prefill units of prefill_chunk
+        token slots, so there a chunk is cut by the budget alone."""
         if self.mesh_config.stage > 1:
-            return dict(token_buckets=token_bucket_sizes(self.prefill_chunk),
-                        bound_padded_prefill=True)
+            return dict(token_buckets=(self.prefill_chunk,), bound_padded_prefill=False)
         return dict(token_buckets=(self.prefill_chunk,), bound_padded_prefill=False,
                     step_buckets=self.runner_config().token_buckets)
 

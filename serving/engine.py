@@ -222,9 +222,6 @@ class Engine:
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs="
                              f"{self.config.max_logprobs}")
-        if params.prompt_logprobs is not None and self.is_pipelined:
-            raise ValueError("prompt_logprobs are not available with pipeline parallelism "
-                             "(stage > 1) yet; drop prompt_logprobs or use stage=1")
         if params.prompt_logprobs is not None and params.prompt_logprobs > self.config.max_logprobs:
             raise ValueError(f"prompt_logprobs={params.prompt_logprobs} exceeds max_logprobs="
                              f"{self.config.max_logprobs}")
@@ -316,9 +313,12 @@ class Engine:
         for plan, batches in zip(plans, results):
             for row in plan.real_rows():
                 stream = self._streams.get(row.request_id)
-                if stream is None or not row.is_sampled:
+                if stream is None:
                     continue
                 rows, request = batches[row.batch], stream.request
+                stream.record_prompt_logprobs(rows, row.row, plan.sub_batches[row.batch])
+                if not row.is_sampled:
+                    continue
                 index = int(plan.sampling[row.batch].steps[row.row])
                 if index >= len(request.output_token_ids):
                     continue  # generated after a stop: discarded
@@ -392,12 +392,10 @@ class EngineStats:
         self.num_steps += len(schedule.plans)
         self.step_seconds += seconds
         self.compiles_after_warmup += compiles
-        busy_decode = np.count_nonzero(schedule.decode_num_new.sum(axis=2))
-        busy_prefill = np.count_nonzero(schedule.prefill_num_new)
-        self.decode_tokens += int(schedule.decode_num_new.sum())
-        self.decode_slots += int(busy_decode) * shape.decode_rows
-        self.prefill_tokens += int(schedule.prefill_num_new.sum())
-        self.prefill_slots += int(busy_prefill) * shape.prefill_tokens
+        self.decode_tokens += int(schedule.decode.num_new.sum())
+        self.decode_slots += schedule.decode.busy_units() * shape.decode_rows
+        self.prefill_tokens += int(schedule.prefill.num_new.sum())
+        self.prefill_slots += schedule.prefill.busy_units() * shape.prefill_tokens
         self.stage_busy_slots += schedule.num_busy * shape.num_stages
         self.stage_slots += schedule.num_ticks * shape.num_stages * shape.num_replicas
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import jax
 
-from meshserve.batching.pipeline import build_schedule
 from meshserve.model.pipeline import PipelineRunner
 from meshserve.model.runner import ModelRunner, to_devices
 
@@ -29,8 +28,6 @@ def compile_step(runner: ModelRunner, key: tuple[int, int]) -> jax.stages.Compil
     return runner.program(key)
 
 
-def compile_pipeline_call(runner: PipelineRunner) -> jax.stages.Compiled:
-    """The pipeline call: one program serves every schedule, so an empty one lowers it."""
-    schedule = build_schedule([], runner.shape)
-    units, kinds, ticks = runner.to_devices(runner.host_arrays(schedule))
-    return runner._call.lower(runner.params, runner.cache, kinds, units, ticks).compile()
+def compile_pipeline_call(runner: PipelineRunner, key: tuple[int] = (0,)) -> jax.stages.Compiled:
+    """The pipeline call of `key` (has targets): one program serves every schedule of it."""
+    return runner.program(key)

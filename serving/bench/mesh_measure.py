@@ -74,9 +74,9 @@ def recording(engine: Engine) -> Iterator[list[Call]]:
 def _describe(engine: Engine, args: tuple) -> Call:
     if engine.is_pipelined:
         (schedule,) = args
-        tokens = int(schedule.decode_num_new.sum() + schedule.prefill_num_new.sum())
-        rows = int(np.count_nonzero(schedule.decode_num_new)
-                   + np.count_nonzero(schedule.prefill_num_new))
+        units = (schedule.decode, schedule.prefill)
+        tokens = sum(int(u.num_new.sum()) for u in units)
+        rows = sum(int(np.count_nonzero(u.num_new)) for u in units)
         return Call(args, len(schedule.plans), rows, tokens, schedule.num_ticks)
     sub_batches = args[0].sub_batches
     return Call(args, 1, sum(int(np.count_nonzero(b.num_new)) for b in sub_batches),
@@ -85,7 +85,7 @@ def _describe(engine: Engine, args: tuple) -> Call:
 
 def warm_up(engine: Engine) -> None:
     """Compiles every program the engine can run (a bounded set: one per token bucket, or a
-    pipeline's one call), so that measuring it compiles nothing."""
+    pipeline's two calls), so that measuring it compiles nothing."""
     engine.warmup(progress=False)
 
 
@@ -142,7 +142,7 @@ def decode_program(engine: Engine, call: Call) -> dict[str, Any]:
     the ops in the program, and the count and result bytes executed per call and per step."""
     runner = engine.runner
     if engine.is_pipelined:
-        compiled = [compile_pipeline_call(runner)]
+        compiled = [compile_pipeline_call(runner, (int(call.args[0].has_targets),))]
     else:
         compiled = [compile_step(runner, runner.step_key(call.args[0].sub_batches))]
     hlos = [Hlo.parse(c.as_text()) for c in compiled]

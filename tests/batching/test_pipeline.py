@@ -11,8 +11,8 @@ sources, the slot mapping and the host's planning ahead in one go.
 import numpy as np
 import pytest
 
-from meshserve.batching.pipeline import (DECODE, IDLE, PLACEHOLDER, PREFILL, RowRef, UnitShape,
-                                         build_schedule)
+from meshserve.batching.pipeline import (DECODE, IDLE, PLACEHOLDER, PREFILL, RowRef, UnitOutputs,
+                                         UnitShape, build_schedule, unit_results)
 from meshserve.batching.config import SchedulerConfig
 from meshserve.batching.scheduler import Scheduler
 from tests.batching.fake import EMPTY, make_request, next_token, random_requests, reference_outputs
@@ -24,50 +24,53 @@ class FakePipeline:
         self.kv = np.full((num_replicas, num_pages, page_size), EMPTY, np.int64)
 
     def run(self, s) -> np.ndarray:
-        """Tokens sampled per slot [D, U, R] (a prefill unit's row is slot 0)."""
-        D, U, R = s.decode_tokens.shape
-        stages = s.shape.num_stages
-        out = np.zeros((D, U, R), np.int64)
+        """Tokens sampled per slot [D, U, O]: each unit's rows, in the unit's ragged layout."""
+        D, U, R = s.decode_source.shape
+        O, stages = s.shape.sample_slots, s.shape.num_stages
+        out = np.zeros((D, U, O), np.int64)
         for u in range(s.num_units):
             for d in range(D):
-                if s.kinds[u] == PREFILL and s.prefill_num_new[d, u]:
-                    n = s.prefill_num_new[d, u]
-                    out[d, u, 0] = self._row(d, s.prefill_tokens[d, u, :n],
-                                             s.prefill_positions[d, u, :n], s.prefill_pages[d, u],
-                                             s.prefill_kv_lens[d, u])
-                if s.kinds[u] != DECODE:
+                if s.kinds[u] == IDLE:
                     continue
-                for r in range(R):
-                    if not s.decode_num_new[d, u, r]:
-                        continue
-                    token = s.decode_tokens[d, u, r]
-                    source = s.decode_source[d, u, r]
-                    if source >= 0:
-                        assert token == PLACEHOLDER
-                        assert source // R + stages <= u, "a fed-back token read too early"
-                        token = out[d, source // R, source % R]
-                    assert token != PLACEHOLDER, "a placeholder without a source"
-                    out[d, u, r] = self._row(d, [token], [s.decode_positions[d, u, r]],
-                                             s.decode_pages[d, u, r], s.decode_kv_lens[d, u, r])
+                batches = s.prefill if s.kinds[u] == PREFILL else s.decode
+                for r in np.flatnonzero(batches.num_new[d, u]):
+                    n, last = batches.num_new[d, u, r], batches.last[d, u, r]
+                    span = slice(last - n + 1, last + 1)
+                    assert (batches.token_seq[d, u, span] == r).all()
+                    assert batches.is_real[d, u, span].all()
+                    tokens = batches.tokens[d, u, span].copy()
+                    if s.kinds[u] == DECODE and s.decode_source[d, u, r] >= 0:
+                        source = s.decode_source[d, u, r]
+                        assert tokens[0] == PLACEHOLDER
+                        assert source // O + stages <= u, "a fed-back token read too early"
+                        tokens[0] = out[d, source // O, source % O]
+                    assert PLACEHOLDER not in tokens, "a placeholder without a source"
+                    out[d, u, r] = self._row(d, tokens, batches.positions[d, u, span],
+                                             batches.write_slots[d, u, span],
+                                             batches.page_table[d, u, r], batches.kv_lens[d, u, r])
+                assert batches.is_real[d, u].sum() == batches.num_new[d, u].sum()
         return out
 
-    def _row(self, d, tokens, positions, pages, kv_len) -> int:
-        kv = self.kv[d]
-        for token, position in zip(tokens, positions):
-            kv[pages[position // self.page_size], position % self.page_size] = token
-        context = [int(kv[pages[p // self.page_size], p % self.page_size]) for p in range(kv_len)]
+    def _row(self, d, tokens, positions, write_slots, pages, kv_len) -> int:
+        kv = self.kv[d].reshape(-1)
+        for token, position, slot in zip(tokens, positions, write_slots):
+            assert slot == pages[position // self.page_size] * self.page_size + (
+                position % self.page_size)
+            kv[slot] = token
+        context = [int(kv[pages[p // self.page_size] * self.page_size + p % self.page_size])
+                   for p in range(kv_len)]
         assert EMPTY not in context and 0 not in [pages[p // self.page_size]
                                                   for p in range(kv_len)]
         return next_token(context)
 
 
-def _shape(config: SchedulerConfig, stages: int, rounds: int) -> UnitShape:
+def _shape(config: SchedulerConfig, stages: int, rounds: int, prefill_rows: int = 4) -> UnitShape:
     per_round = config.max_num_seqs + 3 * stages
     return UnitShape(num_stages=stages, num_units=rounds * per_round,
                      decode_rows=-(-config.max_num_seqs // stages),
-                     prefill_tokens=config.prefill_chunk,
+                     prefill_tokens=config.prefill_chunk, prefill_rows=prefill_rows,
                      max_pages=-(-config.max_model_len // config.page_size),
-                     num_replicas=config.num_replicas)
+                     page_size=config.page_size, num_replicas=config.num_replicas)
 
 
 def _drive(scheduler: Scheduler, requests, *, stages: int, rounds: int, fill: bool):
@@ -107,7 +110,8 @@ def _drive(scheduler: Scheduler, requests, *, stages: int, rounds: int, fill: bo
 
 def _config(**overrides) -> SchedulerConfig:
     values = dict(num_pages=96, page_size=4, max_num_seqs=6, max_num_batched_tokens=32,
-                  prefill_chunk=16, max_model_len=96)
+                  prefill_chunk=16, max_model_len=96, token_buckets=(16,),
+                  bound_padded_prefill=False)  # the engine's chunking under stages
     return SchedulerConfig(**(values | overrides))
 
 
@@ -139,7 +143,7 @@ def test_data_parallel_replicas_share_the_unit_kinds():
     both = 0
     for s in schedules:
         for u in range(s.num_units):
-            busy = [bool(s.decode_num_new[d, u].any() or s.prefill_num_new[d, u])
+            busy = [bool(s.decode.num_new[d, u].any() or s.prefill.num_new[d, u].any())
                     for d in range(2)]
             assert s.kinds[u] != IDLE or not any(busy)  # one kind for both replicas
             both += all(busy)
@@ -208,15 +212,60 @@ def test_idle_lanes_are_filled_with_prefill_chunks():
     assert filled > plain + 0.15, (plain, filled)
 
 
+def test_prefill_chunks_are_packed_first_fit_into_ragged_units():
+    scheduler = Scheduler(_config())
+    for i, n in enumerate([5, 9, 6, 3, 7]):
+        scheduler.add(make_request(f"r{i}", n, max_tokens=3))
+    plan = scheduler.schedule()
+    s = build_schedule([plan], _shape(scheduler.config, 2, 1, prefill_rows=3))
+    # Units of 16 slots and 3 rows: 5 + 9; then 6, and 3 and 7 after it (9 + 7 = 16).
+    assert s.num_units == 2 and list(s.kinds[:2]) == [PREFILL, PREFILL]
+    np.testing.assert_array_equal(s.prefill.num_new[0, :2], [[5, 9, 0], [6, 3, 7]])
+    np.testing.assert_array_equal(s.prefill.last[0, :2], [[4, 13, 0], [5, 8, 15]])
+    np.testing.assert_array_equal(s.prefill.token_seq[0, 1], [0] * 6 + [1] * 3 + [2] * 7)
+    np.testing.assert_array_equal(s.prefill.is_real[0, 0], [1] * 14 + [0] * 2)
+    assert not s.prefill.write_slots[0, 0, 14:].any()  # padding writes to the dummy page
+    assert s.num_busy == 2 and s.prefill.busy_units() == 2 and not s.has_targets
+
+
+def test_prompt_logprob_rows_go_to_prefill_units_and_come_back_per_token():
+    """A one-token piece of a prompt with prompt logprobs is a prefill unit's row, not a decode
+    lane's: only prefill units carry targets. Each row's prompt logprobs come back from its own
+    token slots."""
+    scheduler = Scheduler(_config(max_num_batched_tokens=17))
+    a = make_request("a", 16, max_tokens=2, prompt_logprobs=1)
+    b = make_request("b", 10, first=5, max_tokens=2, prompt_logprobs=1)
+    scheduler.add(a)
+    scheduler.add(b)
+    plan = scheduler.schedule()  # a's 16 tokens, and the one token of b the budget leaves
+    s = build_schedule([plan], _shape(scheduler.config, 2, 1))
+    assert s.has_targets and list(s.kinds[:s.num_units]) == [PREFILL, PREFILL]
+    np.testing.assert_array_equal(s.prefill.num_new[0, :2, 0], [16, 1])
+    np.testing.assert_array_equal(s.prefill.targets[0, 0], a.prompt_token_ids[1:] + [0])
+    assert s.prefill.targets[0, 1, 0] == b.prompt_token_ids[1]
+    U, O, T, K = s.shape.num_units, s.shape.sample_slots, s.shape.prefill_tokens, 2
+    code = np.arange(U * T, dtype=np.float32).reshape(1, U, T)  # unit u, slot t -> u * T + t
+    out = UnitOutputs(tokens=np.zeros((1, U, O), np.int32), logprobs=np.zeros((1, U, O)),
+                      top_ids=np.zeros((1, U, O, K), np.int32),
+                      top_logprobs=np.zeros((1, U, O, K)), prompt_logprobs=code,
+                      prompt_top_ids=np.zeros((1, U, T, K), np.int32),
+                      prompt_top_logprobs=np.zeros((1, U, T, K)))
+    (rows,) = unit_results(s, out)[0]
+    by_request = dict(zip(plan.row_requests[0], rows.prompt_logprobs))
+    np.testing.assert_array_equal(by_request["a"], np.arange(16))
+    assert by_request["b"][0] == T
+
+
 def test_a_call_that_does_not_fit_is_refused():
     scheduler = Scheduler(_config())
     for i in range(6):
         scheduler.add(make_request(f"r{i}", 16, max_tokens=5))
     plan = scheduler.schedule()
-    shape = UnitShape(num_stages=2, num_units=1, decode_rows=3, prefill_tokens=16, max_pages=24)
+    shape = UnitShape(num_stages=2, num_units=1, decode_rows=3, prefill_tokens=16,
+                      prefill_rows=1, max_pages=24, page_size=4)
     with pytest.raises(ValueError, match="need 2 pipeline units; the call holds 1"):
         build_schedule([plan], shape)
     narrow = UnitShape(num_stages=2, num_units=40, decode_rows=3, prefill_tokens=8,
-                       max_pages=24)
+                       prefill_rows=1, max_pages=24, page_size=4)
     with pytest.raises(ValueError, match="exceeds the pipeline's 8-token units"):
         build_schedule([plan], narrow)

@@ -2,14 +2,15 @@
 device on every (data, stage, model) mesh, the compiled call's collectives, stage utilisation with
 and without bubble filling, and the engine's invariants (pages, stops, aborts)."""
 
+import functools
 import re
 
 import jax
 import numpy as np
 import pytest
 
-from meshserve.batching.pipeline import build_schedule
 from meshserve.batching.sampling import SamplingParams
+from meshserve.model.attention import ATTENTION_BACKENDS, ragged_attention_pallas_gpu
 from meshserve.model.config import ModelConfig
 from meshserve.model.transformer import model_from_params
 from meshserve.serving.config import EngineConfig
@@ -54,7 +55,7 @@ def test_tokens_equal_one_device(preset, layers, mesh):
     requests = _requests(model.config.vocab_size)
     engine = Engine.from_model(model, None, EngineConfig(mesh=mesh, **ENGINE))
     _assert_same(_run(engine, requests), _reference(model, requests))
-    assert engine.stats.compiles_after_warmup <= 1  # the one pipeline program (no warm-up here)
+    assert engine.stats.compiles_after_warmup <= 1  # the call without targets (no warm-up here)
 
 
 @pytest.mark.parametrize("rounds,filling", [(1, True), (3, False), (6, True)])
@@ -63,6 +64,21 @@ def test_any_number_of_rounds_with_or_without_filling_gives_the_same_tokens(roun
     requests = _requests(model.config.vocab_size, count=10, seed=1)
     engine = Engine.from_model(model, None, EngineConfig(mesh="stage=3", pipeline_rounds=rounds,
                                               bubble_filling=filling, **ENGINE))
+    _assert_same(_run(engine, requests), _reference(model, requests))
+
+
+@pytest.mark.slow
+def test_the_pallas_gpu_backend_serves_pipeline_stages(monkeypatch):
+    """Stages run the ragged step's attention seam: the GPU kernel (here in Pallas's interpret
+    mode, off a GPU) gives one device's tokens under `stage=2`."""
+    if jax.default_backend() != "gpu":
+        monkeypatch.setitem(ATTENTION_BACKENDS, "pallas-gpu",
+                            functools.partial(ragged_attention_pallas_gpu, interpret=True))
+    model = _model(num_layers=2)
+    requests = _requests(model.config.vocab_size, count=3, seed=8)
+    engine = Engine.from_model(model, None, EngineConfig(mesh="stage=2", attention="pallas-gpu",
+                                                         **ENGINE))
+    assert engine.runner.attention == "pallas-gpu"
     _assert_same(_run(engine, requests), _reference(model, requests))
 
 
@@ -128,10 +144,44 @@ def test_cached_prefixes_give_the_same_tokens_as_one_device_without_the_cache():
     assert engine.scheduler.num_cached_tokens >= 4 * 32
 
 
-def test_prompt_logprobs_are_refused_with_a_clear_message():
-    engine = Engine.from_model(_model(), None, EngineConfig(mesh="stage=2", **ENGINE))
-    with pytest.raises(ValueError, match="prompt_logprobs are not available with pipeline"):
-        engine.add_request([1, 2, 3], SamplingParams(prompt_logprobs=2))
+def test_warm_up_compiles_two_programs_and_then_nothing_with_prompt_logprobs():
+    """The compiled set is the call without and the call with prompt logprobs. After warm-up a
+    varied workload (prompt logprobs, penalties, stops, sampling, several call lengths) compiles
+    nothing, and gives one device's tokens, logprobs and prompt logprobs."""
+    model = _model(num_layers=2)
+    rng = np.random.default_rng(6)
+    requests = _requests(model.config.vocab_size, count=6, seed=6)
+    for n, count in ((45, 3), (9, 5), (2, 1)):  # prompt logprobs over two chunks, one, a pair
+        requests.append((rng.integers(2, 512, size=n).tolist(),
+                         SamplingParams(max_tokens=4, temperature=0, logprobs=5,
+                                        prompt_logprobs=count)))
+    requests.append((rng.integers(2, 512, size=20).tolist(),
+                     SamplingParams(max_tokens=5, temperature=0, repetition_penalty=1.2,
+                                    ignore_eos=True, logprobs=5)))
+    want = _finished(Engine.from_model(model, None, EngineConfig(**ENGINE)), requests)
+    engine = Engine.from_model(model, None,
+                               EngineConfig(mesh="stage=2", **(ENGINE | dict(warmup=True))))
+    assert engine.stats.warmup_compiles == 2
+    got = _finished(engine, requests)
+    assert engine.stats.compiles_after_warmup == 0
+    _assert_same([o.outputs[0] for o in got], [o.outputs[0] for o in want])
+    for got_out, want_out in zip(got[6:9], want[6:9]):
+        assert len(got_out.prompt_logprobs) == len(want_out.prompt_logprobs)
+        assert got_out.prompt_logprobs[0] is want_out.prompt_logprobs[0] is None
+        for got_entry, want_entry in zip(got_out.prompt_logprobs[1:], want_out.prompt_logprobs[1:]):
+            assert got_entry.keys() == want_entry.keys()
+            for token, logprob in want_entry.items():
+                assert got_entry[token].rank == logprob.rank
+                assert got_entry[token].logprob == pytest.approx(logprob.logprob, abs=1e-4)
+
+
+def _finished(engine: Engine, requests) -> list:
+    """Every request's final `RequestOutput`, in order."""
+    ids = [engine.add_request(prompt, params) for prompt, params in requests]
+    finished = {}
+    while engine.has_unfinished():
+        finished |= {out.request_id: out for out in engine.step() if out.finished}
+    return [finished[i] for i in ids]
 
 
 def test_bubble_filling_beats_the_plain_fill_drain_schedule():
@@ -177,11 +227,7 @@ def test_the_compiled_call_permutes_per_tick_and_gathers_no_weight():
     model = _model(num_layers=4)
     engine = Engine.from_model(model, None, EngineConfig(mesh="stage=2,model=2", **ENGINE))
     runner = engine.runner
-    schedule = build_schedule([], runner.shape)
-    units = jax.device_put(runner.host_units(schedule), runner._units_sharding)
-    kinds, ticks = jax.device_put((schedule.kinds, np.int32(1)), runner._replicated)
-    hlo = Hlo.parse(runner._call.lower(runner.params, runner.cache, kinds, units, ticks)
-                    .compile().as_text())
+    hlo = Hlo.parse(runner.program((0,)).as_text())
     ticks_loop = [op for op in hlo.ops("while")
                   if "collective-permute" in " ".join(o.opcode for c in hlo.body(op)
                                                       for o in hlo.computations[c])]
