@@ -8,15 +8,14 @@ Page 0 is the dummy page: padding tokens write there and padded page-table entri
 no real page is ever touched by padding. A sequence's token at position p lives in page
 `page_table[p // page_size]`, slot `p % page_size`.
 
-A step is a tuple of sub-batches (`SubBatch`), each padded to its own `[B, T]` bucket: a prefill
-chunk batch and a decode batch (T = 1) can run in one compiled step. Tokens of all sub-batches are
-flattened to one axis `n` for the matmuls; attention runs per sub-batch.
+A step is one flat batch of tokens (`RaggedBatch`): prefill chunks and decodes of many sequences
+back to back, padded only to a token bucket. Writes happen before reads, so a prefill chunk
+attends to the pages its earlier chunks wrote and to itself; decode is the one-token case of the
+same code.
 
-Writes happen before reads, so a prefill chunk attends to the pages its earlier chunks wrote and to
-itself; decode is the T = 1 case of the same code.
-
-`paged_attention` is the portable gather-based implementation (CPU and GPU). `dense_attention` is
-the reference that tests compare it with. Neither knows about batching policy.
+`ATTENTION_BACKENDS` are the implementations behind `RaggedContext.attend`: the portable
+gather-based one (CPU and GPU) and the Pallas GPU kernel. `dense_attention` is the reference that
+tests compare them with. None of them knows about batching policy.
 
 What a layer asks of attention beyond q, k and v is an `AttentionSpec`: the query scale, the
 soft-cap of the scores (Gemma 2), and the sliding window (keys within `window` positions of the
@@ -95,67 +94,6 @@ def init_kv_cache(*, num_layers: int, num_kv_heads: int, num_pages: int, page_si
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SubBatch:
-    """B sequences with T new tokens each, padded. All int32.
-
-    tokens      [B, T]  new token ids (padding: 0)
-    positions   [B, T]  absolute position of each new token (padding: 0)
-    num_new     [B]     real new tokens per row; 0 for a padding row
-    kv_lens     [B]     context length after this step (cached + new); 0 for padding
-    page_table  [B, M]  pages of each sequence; entries past its length are 0 (the dummy)
-    targets     [B, T]  next-token ids whose logprobs to return, or None (prompt logprobs)
-    """
-
-    tokens: jax.Array
-    positions: jax.Array
-    num_new: jax.Array
-    kv_lens: jax.Array
-    page_table: jax.Array
-    targets: jax.Array | None = None
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.tokens.shape
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class AttentionMeta:
-    """What every layer needs about a step, computed once per step outside the layer scan."""
-
-    write_slots: jax.Array  # [N] flat slot (page * page_size + offset) of each new token
-    masks: tuple[jax.Array, ...]  # per sub-batch [B, T, M * page_size] bool
-    page_tables: tuple[jax.Array, ...]  # per sub-batch [B, M]
-    positions: tuple[jax.Array, ...]  # per sub-batch [B, T], for sliding windows
-
-
-def attention_meta(batches: tuple[SubBatch, ...], page_size: int) -> AttentionMeta:
-    slots = [_write_slots(b, page_size).reshape(-1) for b in batches]
-    return AttentionMeta(
-        write_slots=jnp.concatenate(slots),
-        masks=tuple(_paged_mask(b, page_size) for b in batches),
-        page_tables=tuple(b.page_table for b in batches),
-        positions=tuple(b.positions for b in batches),
-    )
-
-
-def _write_slots(b: SubBatch, page_size: int) -> jax.Array:
-    t = jnp.arange(b.tokens.shape[1])
-    is_real = t[None, :] < b.num_new[:, None]  # [B, T]
-    page = jnp.take_along_axis(b.page_table, b.positions // page_size, axis=1, mode="clip")
-    slot = page * page_size + b.positions % page_size
-    return jnp.where(is_real, slot, 0)
-
-
-def _paged_mask(b: SubBatch, page_size: int) -> jax.Array:
-    key_pos = jnp.arange(b.page_table.shape[1] * page_size)  # [S]
-    causal = key_pos[None, None, :] <= b.positions[:, :, None]  # [B, T, S]
-    in_context = key_pos[None, None, :] < b.kv_lens[:, None, None]
-    return causal & in_context
-
-
 def write_kv(cache_k: jax.Array, cache_v: jax.Array, layer: jax.Array, k: jax.Array,
              v: jax.Array, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Scatters new k/v [N, K, h] into layer `layer` of the caches at flat slots [N]."""
@@ -167,26 +105,9 @@ def write_kv(cache_k: jax.Array, cache_v: jax.Array, layer: jax.Array, k: jax.Ar
     return new_k, new_v
 
 
-def paged_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: jax.Array,
-                    page_table: jax.Array, mask: jax.Array, spec: AttentionSpec = DEFAULT_SPEC
-                    ) -> jax.Array:
-    """q [B, T, H, h] over the pages of `page_table` [B, M]; mask [B, T, M*S]. -> [B, T, H, h].
-    `mask` holds no window: a sliding spec needs `paged_window_mask` folded in by the caller."""
-    k = _gather_pages(cache_k, layer, page_table)  # [B, K, M*S, h]
-    v = _gather_pages(cache_v, layer, page_table)
-    return _masked_attention(q, k, v, mask, spec)
-
-
 def window_mask(query_pos: jax.Array, num_keys: int, spec: AttentionSpec) -> jax.Array:
     """[B, T, S] whether key position s is inside the window of the query at query_pos [B, T]."""
     return _in_window(jnp.arange(num_keys)[None, None, :], query_pos[:, :, None], spec)
-
-
-def _gather_pages(cache: jax.Array, layer: jax.Array, page_table: jax.Array) -> jax.Array:
-    pages = cache[layer, :, page_table]  # one gather: [B, M, K, S, h]
-    batch, num_slots, kv_heads, page_size, head_dim = pages.shape
-    pages = pages.transpose(0, 2, 1, 3, 4)  # [B, K, M, S, h]
-    return pages.reshape(batch, kv_heads, num_slots * page_size, head_dim)
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
@@ -219,31 +140,6 @@ def _einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class PagedContext:
-    """What attention reads and writes in a paged step: the caches and the step's metadata."""
-
-    k: jax.Array
-    v: jax.Array
-    meta: AttentionMeta
-    shapes: tuple[tuple[int, int], ...] = dataclasses.field(metadata=dict(static=True))
-
-    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, layer: jax.Array,
-               spec: AttentionSpec = DEFAULT_SPEC) -> tuple[jax.Array, "PagedContext"]:
-        """q [N, H, h], k/v [N, K, h] of all sub-batches, flattened -> [N, H, h]."""
-        cache_k, cache_v = write_kv(self.k, self.v, layer, k, v, self.meta.write_slots)
-        outs = []
-        for (b, t), q_sub, table, mask, pos in zip(
-                self.shapes, _split_rows(q, self.shapes), self.meta.page_tables,
-                self.meta.masks, self.meta.positions):
-            mask = mask & window_mask(pos, mask.shape[-1], spec)
-            out = paged_attention(q_sub.reshape(b, t, *q.shape[1:]), cache_k, cache_v, layer,
-                                  table, mask, spec)
-            outs.append(out.reshape(b * t, *q.shape[1:]))
-        return jnp.concatenate(outs), dataclasses.replace(self, k=cache_k, v=cache_v)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
 class DenseContext:
     """Full causal attention over one padded batch, with no cache: the reference path."""
 
@@ -261,23 +157,12 @@ class DenseContext:
         return out.reshape(q.shape), self
 
 
-def paged_context(cache: KVCache, batches: tuple[SubBatch, ...]) -> PagedContext:
-    return PagedContext(k=cache.k, v=cache.v, meta=attention_meta(batches, cache.page_size),
-                        shapes=tuple(b.shape for b in batches))
-
-
 def dense_context(lengths: jax.Array, num_tokens: int) -> DenseContext:
     """Causal mask for B rows padded to `num_tokens`, each with its real length."""
     pos = jnp.arange(num_tokens)
     causal = pos[None, :, None] >= pos[None, None, :]
     real = pos[None, None, :] < lengths[:, None, None]
     return DenseContext(mask=causal & real, shape=(lengths.shape[0], num_tokens))
-
-
-def _split_rows(x: jax.Array, shapes: tuple[tuple[int, int], ...]) -> list[jax.Array]:
-    sizes = [b * t for b, t in shapes]
-    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-    return [x[o:o + n] for o, n in zip(offsets, sizes)]
 
 
 # The ragged step: one flat batch of tokens, prefill chunks and decodes mixed.

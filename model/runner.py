@@ -54,8 +54,8 @@ from meshserve.batching.plan import StepPlan, SubBatchPlan
 from meshserve.batching.runner import SampledRows
 from meshserve.batching.sampling import SamplingArrays, concat_sampling, greedy_sampling
 from meshserve.batching.structured import mask_words
-from meshserve.model.attention import (ATTENTION_BACKENDS, KVCache, RaggedBatch, SubBatch,
-                                       check_backend, default_backend, init_kv_cache)
+from meshserve.model.attention import (ATTENTION_BACKENDS, KVCache, RaggedBatch, check_backend,
+                                       default_backend, init_kv_cache)
 from meshserve.model.sampler import host_sampling
 from meshserve.model.steps import ragged_step
 
@@ -364,20 +364,6 @@ class ModelRunner:
             token_index.append(slots)
         return RaggedBatch(**out), tuple(seq_index), tuple(token_index)
 
-def pad_sub_batch(plan: SubBatchPlan, shape: tuple[int, int, int], *,
-                  index: np.ndarray | None = None) -> SubBatch:
-    """Host arrays of `plan` padded to the bucket `(rows, tokens, pages)`, plan row i at padded
-    row `index[i]` (default: in order)."""
-    rows, tokens, pages = shape
-    index = np.arange(plan.num_rows) if index is None else index
-    pad = functools.partial(_pad_to, rows=rows, index=index)
-    return SubBatch(
-        tokens=pad(plan.tokens, tokens), positions=pad(plan.positions, tokens),
-        num_new=pad(plan.num_new), kv_lens=pad(plan.kv_lens),
-        page_table=pad(plan.page_table, pages),
-        targets=None if plan.targets is None else pad(plan.targets, tokens),
-    )
-
 
 def to_devices(tree, sharding):
     """`tree`'s numpy leaves on device, placed by `sharding` (None: the default device).
@@ -403,17 +389,6 @@ def peer_errors(channel: PlanChannel | None):
         if channel is None:
             raise
         raise channel.failure(err) from err
-
-
-def _pad_to(array: np.ndarray, width: int | None = None, *, rows: int,
-            index: np.ndarray) -> np.ndarray:
-    if width is None:
-        out = np.zeros(rows, np.int32)
-        out[index] = array
-    else:
-        out = np.zeros((rows, width), np.int32)
-        out[index, :array.shape[1]] = array
-    return out
 
 
 def _replicas(plan: SubBatchPlan) -> np.ndarray:

@@ -7,8 +7,6 @@ parts, which a pipeline stage also runs on its own (`meshserve.model.pipeline`):
 (`ragged_outputs`). Attention goes through `RaggedContext.attend`, so every attention backend
 serves both.
 
-The sub-batch steps below (`forward_step`, `sample_step`) remain as a second reference.
-
 `forward_dense` recomputes a whole padded batch with full causal attention and no cache. It exists
 to check the paged path.
 
@@ -26,79 +24,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshserve.batching.sampling import SamplingArrays
-from meshserve.model.attention import (KVCache, RaggedBatch, SubBatch, dense_context,
-                                       paged_context, ragged_context)
+from meshserve.model.attention import KVCache, RaggedBatch, dense_context, ragged_context
 from meshserve.model.sampler import Sampled, sample
 from meshserve.model.transformer import RESIDUAL_AXES, apply_layers, run_layers
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SubBatchOutput:
-    logits: jax.Array  # [B, V] float32, at each row's last new token
-    prompt_logprobs: jax.Array | None = None  # [B, T] logprob of targets[b, t] after token t
-    prompt_top_ids: jax.Array | None = None  # [B, T, K] most likely tokens after token t
-    prompt_top_logprobs: jax.Array | None = None  # [B, T, K]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class StepOutput:
-    """One sub-batch's result: the sampled token of each row, and prompt logprobs when asked."""
-
-    sampled: Sampled
-    prompt_logprobs: jax.Array | None = None  # [B, T]
-    prompt_top_ids: jax.Array | None = None  # [B, T, K]
-    prompt_top_logprobs: jax.Array | None = None  # [B, T, K]
-
-
-def forward_step(graphdef: nnx.GraphDef, params: nnx.State, cache: KVCache,
-                 batches: tuple[SubBatch, ...], *, num_top_logprobs: int = 0, constrain=None
-                 ) -> tuple[tuple[SubBatchOutput, ...], KVCache]:
-    """`constrain(x, logical_axes)` pins activation shardings (see `run_layers`)."""
-    model = nnx.merge(graphdef, params)
-    tokens = jnp.concatenate([b.tokens.reshape(-1) for b in batches])  # [N]
-    positions = jnp.concatenate([b.positions.reshape(-1) for b in batches])  # [N]
-    hidden, ctx = run_layers(model, tokens, positions, paged_context(cache, batches), constrain)
-    outputs, start = [], 0
-    for b in batches:
-        rows, width = b.shape
-        sub_hidden = hidden[start:start + rows * width].reshape(rows, width, -1)  # [B, T, D]
-        outputs.append(_sub_batch_output(model, sub_hidden, b, num_top_logprobs))
-        start += rows * width
-    return tuple(outputs), KVCache(k=ctx.k, v=ctx.v)
-
-
-def _sub_batch_output(model, hidden: jax.Array, b: SubBatch, num_top: int) -> SubBatchOutput:
-    last = jnp.maximum(b.num_new - 1, 0)
-    last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [B, D]
-    logits = model.logits(last_hidden).astype(jnp.float32)  # [B, V]
-    if b.targets is None:
-        return SubBatchOutput(logits=logits)
-    all_logprobs = jax.nn.log_softmax(model.logits(hidden).astype(jnp.float32), axis=-1)
-    chosen = jnp.take_along_axis(all_logprobs, b.targets[..., None], axis=-1)[..., 0]  # [B, T]
-    top_logprobs, top_ids = jax.lax.top_k(all_logprobs, num_top)  # [B, T, K]
-    return SubBatchOutput(logits=logits, prompt_logprobs=chosen,
-                          prompt_top_ids=top_ids.astype(jnp.int32),
-                          prompt_top_logprobs=top_logprobs)
-
-
-def sample_step(graphdef: nnx.GraphDef, params: nnx.State, cache: KVCache,
-                batches: tuple[SubBatch, ...], samplings: tuple[SamplingArrays, ...], *,
-                num_top_logprobs: int, constrain=None, replica_axes: tuple[str, ...] = ()
-                ) -> tuple[tuple[StepOutput, ...], KVCache]:
-    """forward_step, then each row's token sampled on device with its own parameters.
-
-    `replica_axes` names the shard_map axes the step is mapped over, if any (see `sample`)."""
-    outputs, cache = forward_step(graphdef, params, cache, batches,
-                                  num_top_logprobs=num_top_logprobs, constrain=constrain)
-    results = tuple(
-        StepOutput(sampled=sample(o.logits, s, num_top_logprobs=num_top_logprobs,
-                                  replica_axes=replica_axes),
-                   prompt_logprobs=o.prompt_logprobs, prompt_top_ids=o.prompt_top_ids,
-                   prompt_top_logprobs=o.prompt_top_logprobs)
-        for o, s in zip(outputs, samplings))
-    return results, cache
 
 
 def forward_dense(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array,

@@ -9,7 +9,7 @@ embedding scaling, soft-capping, the query scale and the window. Layers differ o
 they slide (and then may have their own RoPE): the scan carries one flag per layer.
 
 A model sees a step as flattened tokens `[N]` with their positions, plus an attention context
-(`PagedContext` for serving, `DenseContext` for the reference). It does not know how tokens were
+(`RaggedContext` for serving, `DenseContext` for the reference). It does not know how tokens were
 batched or where pages live.
 
 Parameter paths (`embed/embedding`, `layers/attn/q/kernel`, ...) are the canonical layout that the
