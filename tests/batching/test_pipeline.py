@@ -8,6 +8,8 @@ request must produce exactly what the rule gives it alone: that checks the layou
 sources, the slot mapping and the host's planning ahead in one go.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -238,11 +240,12 @@ def test_prompt_logprob_rows_go_to_prefill_units_and_come_back_per_token():
     scheduler.add(a)
     scheduler.add(b)
     plan = scheduler.schedule()  # a's 16 tokens, and the one token of b the budget leaves
-    s = build_schedule([plan], _shape(scheduler.config, 2, 1))
-    assert s.has_targets and list(s.kinds[:s.num_units]) == [PREFILL, PREFILL]
-    np.testing.assert_array_equal(s.prefill.num_new[0, :2, 0], [16, 1])
-    np.testing.assert_array_equal(s.prefill.targets[0, 0], a.prompt_token_ids[1:] + [0])
-    assert s.prefill.targets[0, 1, 0] == b.prompt_token_ids[1]
+    shape = dataclasses.replace(_shape(scheduler.config, 2, 1), prefill_tokens=32)
+    s = build_schedule([plan], shape)  # one prefill unit: a in slots 0-15, b in slot 16
+    assert s.has_targets and s.num_units == 1 and s.kinds[0] == PREFILL
+    np.testing.assert_array_equal(s.prefill.num_new[0, 0, :2], [16, 1])
+    np.testing.assert_array_equal(s.prefill.targets[0, 0, :17],
+                                  a.prompt_token_ids[1:] + [0, b.prompt_token_ids[1]])
     U, O, T, K = s.shape.num_units, s.shape.sample_slots, s.shape.prefill_tokens, 2
     code = np.arange(U * T, dtype=np.float32).reshape(1, U, T)  # unit u, slot t -> u * T + t
     out = UnitOutputs(tokens=np.zeros((1, U, O), np.int32), logprobs=np.zeros((1, U, O)),
@@ -253,7 +256,7 @@ def test_prompt_logprob_rows_go_to_prefill_units_and_come_back_per_token():
     (rows,) = unit_results(s, out)[0]
     by_request = dict(zip(plan.row_requests[0], rows.prompt_logprobs))
     np.testing.assert_array_equal(by_request["a"], np.arange(16))
-    assert by_request["b"][0] == T
+    assert by_request["b"][0] == 16
 
 
 def test_a_call_that_does_not_fit_is_refused():

@@ -2,7 +2,6 @@
 device on every (data, stage, model) mesh, the compiled call's collectives, stage utilisation with
 and without bubble filling, and the engine's invariants (pages, stops, aborts)."""
 
-import functools
 import re
 
 import jax
@@ -69,17 +68,23 @@ def test_any_number_of_rounds_with_or_without_filling_gives_the_same_tokens(roun
 
 @pytest.mark.slow
 def test_the_pallas_gpu_backend_serves_pipeline_stages(monkeypatch):
-    """Stages run the ragged step's attention seam: the GPU kernel (here in Pallas's interpret
-    mode, off a GPU) gives one device's tokens under `stage=2`."""
-    if jax.default_backend() != "gpu":
-        monkeypatch.setitem(ATTENTION_BACKENDS, "pallas-gpu",
-                            functools.partial(ragged_attention_pallas_gpu, interpret=True))
+    """Stages run the ragged step's attention seam: the GPU kernel, in Pallas's interpret mode
+    on fake CPU devices, is what the stages' layers call, and it gives one device's tokens."""
+    traced = []
+
+    def kernel(*args, **kwargs):
+        traced.append(args[0].shape)  # q [T, H, h] of a DECODE or a PREFILL unit
+        return ragged_attention_pallas_gpu(*args, interpret=True, **kwargs)
+
+    monkeypatch.setitem(ATTENTION_BACKENDS, "pallas-gpu", kernel)
     model = _model(num_layers=2)
     requests = _requests(model.config.vocab_size, count=3, seed=8)
     engine = Engine.from_model(model, None, EngineConfig(mesh="stage=2", attention="pallas-gpu",
                                                          **ENGINE))
     assert engine.runner.attention == "pallas-gpu"
     _assert_same(_run(engine, requests), _reference(model, requests))
+    shape = engine.runner.shape
+    assert {t for t, _, _ in traced} == {shape.decode_rows, shape.prefill_tokens}
 
 
 def test_penalties_and_stop_ids_end_where_one_device_ends():
