@@ -104,6 +104,7 @@ class _Unit:
 class UnitBatches:
     """Every (replica, unit) of one kind as a ragged batch: the fields of the model's
     `RaggedBatch`, with leading axes [D, U]. W token slots, Q rows (sequences). All int32.
+    PREFILL units carry `targets` always (zeros where no row asks for prompt logprobs).
 
     A row's tokens sit in consecutive slots starting at `last - num_new + 1`; padding slots have
     `is_real = 0` and write to the dummy page 0, and a padding row has `kv_lens = 0`.
@@ -118,7 +119,7 @@ class UnitBatches:
     num_new: np.ndarray  # [D, U, Q]
     last: np.ndarray  # [D, U, Q] slot of each row's last token
     page_table: np.ndarray  # [D, U, Q, M]
-    targets: np.ndarray | None = None  # [D, U, W] prompt-logprob targets, when the call has any
+    targets: np.ndarray | None = None  # [D, U, W] prompt-logprob targets
 
     @classmethod
     def empty(cls, shape: UnitShape, width: int, rows: int, *,
@@ -159,14 +160,16 @@ class PipelineSchedule:
     """A call's units as host arrays, padded to `shape`, with leading [replica, unit] axes.
 
     `decode` holds every unit's DECODE batch (R slots, R rows), `prefill` its PREFILL batch
-    (T slots, P rows); `kinds[u]` says which one unit u runs. `decode_source[d, u, r]` is the
-    flat index `v * O + row` (O = `shape.sample_slots`) of the sampled row whose token is decode
-    row r's input (a PLACEHOLDER in `decode.tokens`), or -1.
+    (T slots, P rows); `kinds[u]` says which one unit u runs, and `prompt_logprobs[u]` whether a
+    PREFILL unit returns the logprobs of its targets (on any replica). `decode_source[d, u, r]`
+    is the flat index `v * O + row` (O = `shape.sample_slots`) of the sampled row whose token is
+    decode row r's input (a PLACEHOLDER in `decode.tokens`), or -1.
     """
 
     shape: UnitShape
     plans: tuple[StepPlan, ...]
     kinds: np.ndarray  # [U] int32
+    prompt_logprobs: np.ndarray  # [U] int32, 1 for a PREFILL unit with prompt-logprob rows
     num_units: int  # units laid out (the rest of `kinds` is IDLE)
     decode: UnitBatches  # [D, U, R(, M)]
     prefill: UnitBatches  # [D, U, T | P(, M)]
@@ -179,8 +182,8 @@ class PipelineSchedule:
 
     @property
     def has_targets(self) -> bool:
-        """Whether the call returns prompt logprobs (a compiled variant of its own)."""
-        return self.prefill.targets is not None
+        """Whether the call returns any prompt logprobs."""
+        return bool(self.prompt_logprobs.any())
 
     @property
     def num_ticks(self) -> int:
@@ -318,12 +321,11 @@ def _to_arrays(plans: Sequence[StepPlan], units: list[_Unit], shape: UnitShape,
                source_of: dict[RowRef, tuple[str, int]],
                sampled_at: dict[tuple[str, int], tuple[int, int]]) -> PipelineSchedule:
     D, U, R, M = shape.num_replicas, shape.num_units, shape.decode_rows, shape.max_pages
-    with_targets = any(b.targets is not None for plan in plans for b in plan.sub_batches)
     decode = UnitBatches.empty(shape, R, R)
     prefill = UnitBatches.empty(shape, shape.prefill_tokens, shape.prefill_rows,
-                                with_targets=with_targets)
+                                with_targets=True)
     decode_source = np.full((D, U, R), -1, np.int32)
-    kinds = np.zeros(U, np.int32)
+    kinds, prompt_logprobs = np.zeros(U, np.int32), np.zeros(U, np.int32)
     slots: dict[RowRef, tuple[int, int, int]] = {}
     starts: dict[RowRef, int] = {}
     sampled_rows = {DECODE: {}, PREFILL: {}}  # (d, u, row) -> RowRef, per kind
@@ -342,6 +344,7 @@ def _to_arrays(plans: Sequence[StepPlan], units: list[_Unit], shape: UnitShape,
                         raise ValueError(f"a row needs {pages.size} pages; pipeline rows hold {M}")
                     pages = pages[:M]
                 batches.put_row(d, u, r, start, batch, ref.row, pages, shape.page_size)
+                prompt_logprobs[u] |= batch.targets is not None
                 slots[ref], starts[ref] = (d, u, r), start
                 sampled_rows[unit.kind][(d, u, r)] = ref
                 start += int(batch.num_new[ref.row])
@@ -349,7 +352,8 @@ def _to_arrays(plans: Sequence[StepPlan], units: list[_Unit], shape: UnitShape,
                     v, row = sampled_at[source_of[ref]]
                     decode_source[d, u, r] = v * shape.sample_slots + row
     return PipelineSchedule(
-        shape=shape, plans=tuple(plans), kinds=kinds, num_units=len(units), decode=decode,
+        shape=shape, plans=tuple(plans), kinds=kinds, prompt_logprobs=prompt_logprobs,
+        num_units=len(units), decode=decode,
         prefill=prefill, decode_source=decode_source,
         decode_sampling=_gather_sampling(plans, sampled_rows[DECODE], (D, U, R)),
         prefill_sampling=_gather_sampling(plans, sampled_rows[PREFILL],

@@ -16,8 +16,8 @@ and whatever the layers compute serve pipelines exactly as they serve one device
     y  = `ragged_layers`: this stage's layers on x, reading and writing its own KV pages (a
          `lax.switch` on the unit's kind: IDLE passes through, DECODE is a ragged batch of R
          token slots, PREFILL one of T slots packing up to P prompt chunks)
-    last stage: `ragged_outputs`: the unit's sampled tokens (and prompt logprobs), written to the
-         call's outputs
+    last stage: `ragged_outputs`: the unit's sampled tokens, and for a PREFILL unit with
+         prompt-logprob rows the logprobs of every token too, written to the call's outputs
     ppermute    y to stage s + 1, and the last stage's tokens to stage 0 (the feedback)
 
 Stage 0 keeps every fed-back token in a table [U, O] (O = max(R, P) sampled rows a unit); a decode
@@ -26,11 +26,11 @@ with no host round trip. The schedule guarantees that a row only reads a unit at
 older. Unit kinds are shared by all data-parallel replicas, so every device of a stage takes the
 same branch and the collectives inside (the `model` axis' all-reduces) always meet their peers.
 
-The compiled set is two programs, keyed `(has targets,)`: every call without prompt logprobs
-runs `(0,)`, and a call with any runs `(1,)`, whose PREFILL units carry targets and return the
-logprobs of every token. Knobs that cost a compile: the `UnitShape` (units per call, rows,
-prefill width and rows, pages), the cache geometry, `max_logprobs` and the attention backend. One
-program serves every schedule of its key: the loop runs only as many ticks as the schedule has.
+The compiled set is one program: it serves every schedule, the loop running only as many ticks
+as the schedule has, and prompt logprobs are a branch of it taken only by the PREFILL units
+that ask for them (their outputs come back to the host only from calls that have any). Knobs
+that cost a compile: the `UnitShape` (units per call, rows, prefill width and rows, pages), the
+cache geometry, `max_logprobs` and the attention backend.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
-from meshserve.batching.pipeline import (IDLE, PipelineSchedule, UnitBatches, UnitOutputs,
-                                         UnitShape, build_schedule, unit_results)
+from meshserve.batching.pipeline import (IDLE, PREFILL, PipelineSchedule, UnitBatches,
+                                         UnitOutputs, UnitShape, build_schedule, unit_results)
 from meshserve.batching.runner import SampledRows
 from meshserve.batching.sampling import SamplingArrays
 from meshserve.batching.structured import mask_words
@@ -59,6 +59,9 @@ from meshserve.model.sampler import Sampled, host_sampling
 from meshserve.model.steps import RaggedOutput, embed, ragged_layers, ragged_outputs
 
 STAGE_AXIS = "stage"
+# The call's branch for a PREFILL unit that also returns prompt logprobs (the schedule's kinds
+# are IDLE, DECODE and PREFILL).
+PREFILL_LOGPROBS = 3
 
 
 @jax.tree_util.register_dataclass
@@ -68,13 +71,13 @@ class PipelineUnits:
 
     decode: RaggedBatch  # tokens [D, U, R], page_table [D, U, R, M], ...
     decode_source: jax.Array  # [D, U, R] flat index into the fed-back tokens, or -1
-    prefill: RaggedBatch  # tokens [D, U, T], page_table [D, U, P, M], ...
+    prefill: RaggedBatch  # tokens [D, U, T], page_table [D, U, P, M], targets [D, U, T], ...
     decode_sampling: SamplingArrays  # [D, U, R, ...]
     prefill_sampling: SamplingArrays  # [D, U, P, ...]
 
 
 class PipelineRunner:
-    """Owns the stage-split weights, the KV cache and the compiled pipeline calls.
+    """Owns the stage-split weights, the KV cache and the compiled pipeline call.
 
     `model` is padded already (heads for `model`, layers for `stage`) with its layers stacked;
     `config` gives the cache geometry (per replica), the sampler's limits and the attention
@@ -113,21 +116,21 @@ class PipelineRunner:
         # (only process 0 sends; see meshserve.serving.multihost)
 
     @staticmethod
-    def step_keys() -> list[tuple[int]]:
-        """Every compiled call's key `(has targets,)`."""
-        return [(0,), (1,)]
+    def step_keys() -> list[tuple[()]]:
+        """The compiled set: one call, whose key is empty."""
+        return [()]
 
-    def warmup(self, keys: Sequence[tuple[int]] | None = None, *,
-               progress: bool = True) -> list[tuple[int]]:
-        """Compiles the call of each key (default: both); runs nothing."""
+    def warmup(self, keys: Sequence[tuple[()]] | None = None, *,
+               progress: bool = True) -> list[tuple[()]]:
+        """Compiles the pipeline call; runs nothing."""
         keys = self.step_keys() if keys is None else list(keys)
         for key in tqdm(keys, desc="warming up", unit="program", disable=not progress):
             self.program(key)
         return keys
 
-    def program(self, key: tuple[int, ...]) -> jax.stages.Compiled:
-        """The compiled call of `key`, compiled (or loaded from the persistent compilation
-        cache) on first use. Calls run it directly, so the compiled set is exactly these."""
+    def program(self, key: tuple[()] = ()) -> jax.stages.Compiled:
+        """The compiled call, compiled (or loaded from the persistent compilation cache) on
+        first use. Calls run it directly, so the compiled set is exactly this one."""
         key = tuple(key)
         if key not in self._programs:
             units, kinds, ticks = self.to_devices(self.template(key))
@@ -138,30 +141,26 @@ class PipelineRunner:
     def execute(self, schedule: PipelineSchedule) -> list[list[SampledRows]]:
         """Runs the schedule; per round, per sub-batch of its plan, each row's sampled token."""
         assert schedule.shape == self.shape, (schedule.shape, self.shape)
-        key = (int(schedule.has_targets),)
         with peer_errors(self.channel):
-            (out,) = self.run_calls([key], [self.host_arrays(schedule)])
+            (out,) = self.run_calls([()], [self.host_arrays(schedule)])
             started = time.perf_counter()
+            if not schedule.has_targets:  # no prompt logprobs to copy back
+                out = RaggedOutput(sampled=out.sampled)
             host = jax.device_get(out)  # the call's one copy to the host
         self.last_wait_seconds = time.perf_counter() - started
         return unit_results(schedule, _last_stage(host, self.num_stages - 1))
 
     def host_arrays(self, schedule: PipelineSchedule) -> tuple[PipelineUnits, np.ndarray,
                                                                 np.ndarray]:
-        """What the compiled call reads: the units, their kinds and the number of ticks."""
-        return (self.host_units(schedule), np.asarray(schedule.kinds, np.int32),
-                np.array(schedule.num_ticks, np.int32))
+        """What the compiled call reads: the units, each unit's branch and the number of
+        ticks."""
+        is_logprobs = (schedule.kinds == PREFILL) & (schedule.prompt_logprobs > 0)
+        branches = np.where(is_logprobs, PREFILL_LOGPROBS, schedule.kinds).astype(np.int32)
+        return self.host_units(schedule), branches, np.array(schedule.num_ticks, np.int32)
 
-    def template(self, key: tuple[int, ...] = (0,)) -> tuple[PipelineUnits, np.ndarray,
-                                                              np.ndarray]:
-        """Zero host arrays shaped like every call's of `key` (one shape serves every
-        schedule)."""
-        schedule = build_schedule([], self.shape)
-        if key[0]:
-            targets = np.zeros_like(schedule.prefill.tokens)
-            schedule = dataclasses.replace(
-                schedule, prefill=dataclasses.replace(schedule.prefill, targets=targets))
-        return self.host_arrays(schedule)
+    def template(self, key: tuple[()] = ()) -> tuple[PipelineUnits, np.ndarray, np.ndarray]:
+        """Zero host arrays shaped like every call's (one shape serves every schedule)."""
+        return self.host_arrays(build_schedule([], self.shape))
 
     def to_devices(self, arrays):
         units, kinds, ticks = arrays
@@ -169,8 +168,8 @@ class PipelineRunner:
                 *to_devices((kinds, ticks), self._replicated))
 
     def run_calls(self, keys, arrays) -> list:
-        """Dispatches the call of each key for each entry of `arrays` (on process 0 of a
-        multi-process run, after sending it to the others: see `ModelRunner.run_calls`)."""
+        """Dispatches the call for each entry of `arrays` (on process 0 of a multi-process run,
+        after sending it to the others: see `ModelRunner.run_calls`)."""
         if self.channel is not None:
             self.channel.publish_run(keys, arrays)
         outs = []
@@ -283,21 +282,25 @@ def _pipeline_body(graphdef, params, cache: KVCache, kinds: jax.Array, units: Pi
         # at a collective-permute, which the other stages (in other branches) never reach.
         return constrain(logits, (None, None))
 
-    def outputs(batch: RaggedBatch, y, sampling: SamplingArrays) -> RaggedOutput:
+    def outputs(batch: RaggedBatch, y, sampling: SamplingArrays, *,
+                with_targets: bool = False) -> RaggedOutput:
+        if not with_targets:
+            batch = dataclasses.replace(batch, targets=None)
         got = ragged_outputs(model, y[:batch.tokens.shape[0]], batch, sampling,
                              num_top_logprobs=num_top, replica_axes=replica_axes,
                              place_logits=whole_rows)
-        return _unit_output(got, out_rows, width, num_top, units.prefill.targets is not None)
+        return _unit_output(got, out_rows, width, num_top)
 
     def no_output() -> RaggedOutput:
-        return _unit_output(None, out_rows, width, num_top, units.prefill.targets is not None)
+        return _unit_output(None, out_rows, width, num_top)
 
     def tick(t, carry):
         buf, k, v, table, out = carry
         u = t - stage
         is_unit = (u >= 0) & (u < num_units)
         uc = jnp.clip(u, 0, num_units - 1)
-        kind = jnp.where(is_unit, kinds[uc], IDLE)
+        branch = jnp.where(is_unit, kinds[uc], IDLE)  # IDLE, DECODE, PREFILL, PREFILL_LOGPROBS
+        kind = jnp.minimum(branch, PREFILL)  # what the layers see
         dec = jax.tree.map(lambda a: a[uc], units.decode)  # R slots
         source = units.decode_source[uc]  # [R]
         fed = table.reshape(-1)[jnp.maximum(source, 0)]
@@ -309,8 +312,9 @@ def _pipeline_body(graphdef, params, cache: KVCache, kinds: jax.Array, units: Pi
                                         lambda: run(pre, x, k, v)])
         d_samp = jax.tree.map(lambda a: a[uc], units.decode_sampling)
         p_samp = jax.tree.map(lambda a: a[uc], units.prefill_sampling)
-        result = jax.lax.switch(jnp.where(stage == last, kind, IDLE), [
-            no_output, lambda: outputs(dec, y, d_samp), lambda: outputs(pre, y, p_samp)])
+        result = jax.lax.switch(jnp.where(stage == last, branch, IDLE), [
+            no_output, lambda: outputs(dec, y, d_samp), lambda: outputs(pre, y, p_samp),
+            lambda: outputs(pre, y, p_samp, with_targets=True)])
         keep = is_unit & (stage == last)
         out = jax.tree.map(lambda o, new: o.at[uc].set(jnp.where(keep, new, o[uc])), out, result)
         fed_back = jax.lax.ppermute(result.sampled.tokens, STAGE_AXIS, [(last, 0)])
@@ -329,11 +333,11 @@ def _pipeline_body(graphdef, params, cache: KVCache, kinds: jax.Array, units: Pi
     return out, KVCache(k=k, v=v)
 
 
-def _unit_output(got: RaggedOutput | None, rows: int, width: int, num_top: int,
-                 has_targets: bool) -> RaggedOutput:
-    """One unit's outputs in the call's fixed shapes: sampled rows padded to `rows`, and with
-    targets the prompt logprobs of `width` token slots (zeros where the unit has none). `got`
-    None: all zeros (a tick that samples nothing)."""
+def _unit_output(got: RaggedOutput | None, rows: int, width: int, num_top: int
+                 ) -> RaggedOutput:
+    """One unit's outputs in the call's fixed shapes: sampled rows padded to `rows`, and the
+    prompt logprobs of `width` token slots (zeros where the unit computed none). `got` None: all
+    zeros (a tick that samples nothing)."""
     def pad(a, n):
         return jnp.pad(a, [(0, n - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
 
@@ -343,8 +347,6 @@ def _unit_output(got: RaggedOutput | None, rows: int, width: int, num_top: int,
                           top_logprobs=jnp.zeros((rows, num_top), jnp.float32))
     else:
         sampled = jax.tree.map(lambda a: pad(a, rows), got.sampled)
-    if not has_targets:
-        return RaggedOutput(sampled=sampled)
     if got is None or got.prompt_logprobs is None:
         return RaggedOutput(sampled=sampled, prompt_logprobs=jnp.zeros(width, jnp.float32),
                             prompt_top_ids=jnp.zeros((width, num_top), jnp.int32),

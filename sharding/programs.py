@@ -28,6 +28,6 @@ def compile_step(runner: ModelRunner, key: tuple[int, int]) -> jax.stages.Compil
     return runner.program(key)
 
 
-def compile_pipeline_call(runner: PipelineRunner, key: tuple[int] = (0,)) -> jax.stages.Compiled:
-    """The pipeline call of `key` (has targets): one program serves every schedule of it."""
-    return runner.program(key)
+def compile_pipeline_call(runner: PipelineRunner) -> jax.stages.Compiled:
+    """The pipeline call: one program serves every schedule."""
+    return runner.program()

@@ -85,7 +85,7 @@ def _describe(engine: Engine, args: tuple) -> Call:
 
 def warm_up(engine: Engine) -> None:
     """Compiles every program the engine can run (a bounded set: one per token bucket, or a
-    pipeline's two calls), so that measuring it compiles nothing."""
+    pipeline's one call), so that measuring it compiles nothing."""
     engine.warmup(progress=False)
 
 
@@ -142,7 +142,7 @@ def decode_program(engine: Engine, call: Call) -> dict[str, Any]:
     the ops in the program, and the count and result bytes executed per call and per step."""
     runner = engine.runner
     if engine.is_pipelined:
-        compiled = [compile_pipeline_call(runner, (int(call.args[0].has_targets),))]
+        compiled = [compile_pipeline_call(runner)]
     else:
         compiled = [compile_step(runner, runner.step_key(call.args[0].sub_batches))]
     hlos = [Hlo.parse(c.as_text()) for c in compiled]
