@@ -216,17 +216,18 @@ def test_idle_lanes_are_filled_with_prefill_chunks():
 
 def test_prefill_chunks_are_packed_first_fit_into_ragged_units():
     scheduler = Scheduler(_config())
-    for i, n in enumerate([5, 9, 6, 3, 7]):
+    for i, n in enumerate([4, 9, 6, 3, 7, 2]):
         scheduler.add(make_request(f"r{i}", n, max_tokens=3))
     plan = scheduler.schedule()
     s = build_schedule([plan], _shape(scheduler.config, 2, 1, prefill_rows=3))
-    # Units of 16 slots and 3 rows: 5 + 9; then 6, and 3 and 7 after it (9 + 7 = 16).
+    # Units of 16 slots and 3 rows, each chunk in the first unit with room: 4 + 9 + 3, then
+    # 6 + 7 + 2 (a next fit would close the first unit at 6 and open a third for 2).
     assert s.num_units == 2 and list(s.kinds[:2]) == [PREFILL, PREFILL]
-    np.testing.assert_array_equal(s.prefill.num_new[0, :2], [[5, 9, 0], [6, 3, 7]])
-    np.testing.assert_array_equal(s.prefill.last[0, :2], [[4, 13, 0], [5, 8, 15]])
-    np.testing.assert_array_equal(s.prefill.token_seq[0, 1], [0] * 6 + [1] * 3 + [2] * 7)
-    np.testing.assert_array_equal(s.prefill.is_real[0, 0], [1] * 14 + [0] * 2)
-    assert not s.prefill.write_slots[0, 0, 14:].any()  # padding writes to the dummy page
+    np.testing.assert_array_equal(s.prefill.num_new[0, :2], [[4, 9, 3], [6, 7, 2]])
+    np.testing.assert_array_equal(s.prefill.last[0, :2], [[3, 12, 15], [5, 12, 14]])
+    np.testing.assert_array_equal(s.prefill.token_seq[0, 0], [0] * 4 + [1] * 9 + [2] * 3)
+    np.testing.assert_array_equal(s.prefill.is_real[0, 1], [1] * 15 + [0])
+    assert not s.prefill.write_slots[0, 1, 15:].any()  # padding writes to the dummy page
     assert s.num_busy == 2 and s.prefill.busy_units() == 2 and not s.has_targets
 
 
