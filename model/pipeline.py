@@ -57,6 +57,7 @@ from meshserve.model.runner import (DeviceLayout, PlanChannel, RunnerConfig,
                                     output_sharding, peer_errors, to_devices)
 from meshserve.model.sampler import Sampled, host_sampling
 from meshserve.model.steps import RaggedOutput, embed, ragged_layers, ragged_outputs
+from meshserve.model.transformer import stage_sliding_flags
 
 STAGE_AXIS = "stage"
 # The call's branch for a PREFILL unit that also returns prompt logprobs (the schedule's kinds
@@ -270,10 +271,13 @@ def _pipeline_body(graphdef, params, cache: KVCache, kinds: jax.Array, units: Pi
     def embed_unit(batch: RaggedBatch):
         return padded(embed(model, batch, constrain))
 
+    sliding = stage_sliding_flags(model.config, stage, num_stages)  # this stage's layers
+
     def run(batch: RaggedBatch, x, k, v):
         n = batch.tokens.shape[0]
         y, stage_cache = ragged_layers(model, x[:n], KVCache(k, v), batch, attention=attention,
-                                       block_pages=block_pages, constrain=constrain)
+                                       block_pages=block_pages, constrain=constrain,
+                                       sliding=sliding)
         return padded(y), stage_cache.k, stage_cache.v
 
     def whole_rows(logits):

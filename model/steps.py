@@ -74,13 +74,15 @@ def embed(model, batch: RaggedBatch, constrain=None) -> jax.Array:
 
 
 def ragged_layers(model, x: jax.Array, cache: KVCache, batch: RaggedBatch, *, attention: str,
-                  block_pages: int, constrain=None) -> tuple[jax.Array, KVCache]:
+                  block_pages: int, constrain=None, sliding: jax.Array | None = None
+                  ) -> tuple[jax.Array, KVCache]:
     """`model`'s layers on the residual stream x [T, D], reading and writing `cache`.
     -> (hidden [T, D], cache)
 
-    A pipeline stage passes a model and a cache holding only its own layers."""
+    A pipeline stage passes a model and a cache holding only its own layers, and `sliding`,
+    which of them slide (see `meshserve.model.transformer.apply_layers`)."""
     ctx = ragged_context(cache, batch, backend=attention, block_pages=block_pages)
-    hidden, ctx = apply_layers(model, x, batch.positions, ctx, constrain)
+    hidden, ctx = apply_layers(model, x, batch.positions, ctx, constrain, sliding)
     return hidden, KVCache(k=ctx.k, v=ctx.v)
 
 

@@ -238,11 +238,14 @@ def run_layers(model, tokens: jax.Array, positions: jax.Array, ctx, constrain=No
     return apply_layers(model, x, positions, ctx, constrain)
 
 
-def apply_layers(model, x: jax.Array, positions: jax.Array, ctx, constrain=None):
+def apply_layers(model, x: jax.Array, positions: jax.Array, ctx, constrain=None,
+                 sliding: jax.Array | None = None):
     """Applies every layer of `model` to the residual stream x [N, D]. -> (hidden [N, D], ctx).
 
     The stacked layers run under one `lax.scan`. A pipeline stage passes a model holding only its
-    own layers: layer ids (which index the KV cache) are then local to the stage.
+    own layers: layer ids (which index the KV cache) are then local to the stage, and `sliding`
+    [num_layers] bool says which of them slide (`stage_sliding_flags`); by default the model's
+    own layers' flags.
     """
     constrain = constrain or (lambda x, axes: x)
     rope = model.position_tables(positions)
@@ -256,9 +259,18 @@ def apply_layers(model, x: jax.Array, positions: jax.Array, ctx, constrain=None)
 
     num_layers = jax.tree.leaves(layer_params)[0].shape[0]
     layer_ids = jnp.arange(num_layers, dtype=jnp.int32)
-    sliding = jnp.asarray(sliding_flags(model.config, num_layers))
+    if sliding is None:
+        sliding = jnp.asarray(sliding_flags(model.config, num_layers))
     (x, ctx), _ = jax.lax.scan(one_layer, (x, ctx), (layer_params, layer_ids, sliding))
     return x, ctx
+
+
+def stage_sliding_flags(config: ModelConfig, stage: jax.Array, num_stages: int) -> jax.Array:
+    """[num_layers // num_stages] bool: which layers of stage `stage`'s share of the whole
+    (padded) stack of `config` slide, so each stage's layers keep their own AttentionSpec."""
+    per_stage = config.num_layers // num_stages
+    flags = jnp.asarray(sliding_flags(config, config.num_layers))
+    return jax.lax.dynamic_slice_in_dim(flags, stage * per_stage, per_stage)
 
 
 def sliding_flags(config: ModelConfig, num_layers: int) -> np.ndarray:
@@ -267,8 +279,9 @@ def sliding_flags(config: ModelConfig, num_layers: int) -> np.ndarray:
     flags = config.sliding_layers
     if num_layers != len(flags):
         if len(set(flags)) > 1:
-            raise ValueError(f"{config.name} mixes sliding and full layers, which a pipeline "
-                             "stage's share of the layers cannot tell apart; use stage=1")
+            raise ValueError(f"{config.name} mixes sliding and full layers: a pipeline "
+                             "stage's share of the layers needs its flags passed "
+                             "(stage_sliding_flags)")
         flags = flags[:1] * num_layers
     return np.asarray(flags, bool)
 

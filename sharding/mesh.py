@@ -85,10 +85,6 @@ class MeshConfig:
             raise ValueError(f"mesh {self}: {config.name} has {config.num_layers} layers, fewer "
                              f"than its {self.stage} pipeline stages; use stage <= "
                              f"{config.num_layers}")
-        if self.stage > 1 and len(set(config.sliding_layers)) > 1:
-            raise ValueError(f"mesh {self}: {config.name} mixes sliding-window and full layers, "
-                             "which pipeline stages cannot tell apart yet; use stage=1 (the "
-                             "data and model axes serve it)")
         # Heads that do not divide are padded (meshserve.sharding.padding); GPT-2 has no
         # grouped-query attention to pad within, so its heads must divide.
         if config.arch == "gpt2" and config.num_heads % self.model:

@@ -74,5 +74,13 @@ def pad_layers(model: nnx.Module, num_stages: int) -> nnx.Module:
 
 
 def padded_config(config: ModelConfig, num_stages: int) -> ModelConfig:
+    """`config` with the padded layer count; per-layer types follow their layers (an identity
+    layer is "full": it adds 0 whatever it attends to), so each stage's share of the stack
+    keeps its layers' sliding windows."""
     layout = stage_layout(config.num_layers, num_stages)
-    return config.replace(num_layers=layout.num_padded_layers)
+    if not config.layer_types:
+        return config.replace(num_layers=layout.num_padded_layers)
+    types = ["full"] * layout.num_padded_layers
+    for layer, kind in enumerate(config.layer_types):
+        types[layout.padded_index(layer)] = kind
+    return config.replace(num_layers=layout.num_padded_layers, layer_types=tuple(types))
