@@ -3,13 +3,16 @@
 import re
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import AxisType
 
 from meshserve.model.config import ModelConfig
-from meshserve.model.transformer import abstract_model
+from meshserve.model.transformer import abstract_model, stage_sliding_flags
 from meshserve.sharding.layout import prepare
 from meshserve.sharding.mesh import AXES, MeshConfig
+from meshserve.sharding.stages import padded_config as stage_padded_config
 
 
 @pytest.mark.parametrize("text,want", [
@@ -160,3 +163,17 @@ def test_prepare_checks_the_mesh_before_building_anything():
 
 def _literal(message: str) -> str:
     return re.escape(message)
+
+
+def test_padded_stages_keep_each_layers_sliding_flag():
+    """Four layers (sliding, sliding, full, sliding) over 3 stages hold 2, 1, 1 real layers, an
+    identity layer after each of the last two; each stage's slice of the padded flags is its own
+    layers', identity layers full."""
+    types = ("sliding", "sliding", "full", "sliding")
+    config = ModelConfig.preset("tiny-llama").replace(num_layers=4, sliding_window=8,
+                                                      layer_types=types)
+    padded = stage_padded_config(config, 3)
+    assert padded.layer_types == ("sliding", "sliding", "full", "full", "sliding", "full")
+    flags = [np.asarray(stage_sliding_flags(padded, jnp.int32(s), 3)).tolist() for s in range(3)]
+    assert flags == [[True, True], [False, False], [True, False]]
+    assert stage_padded_config(config.replace(layer_types=()), 3).layer_types == ()
