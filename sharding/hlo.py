@@ -93,10 +93,14 @@ class Hlo:
         return [op for c in COLLECTIVES for op in self.ops(c, within)]
 
     def loop_carrying(self, shape: tuple[int, ...]) -> Op:
-        """The one while loop whose state holds an array of `shape` (e.g. the KV cache shard)."""
+        """The one outermost while loop whose state holds an array of `shape` (e.g. the KV cache
+        shard, which the layer scan carries, and the attention's own loops inside it too)."""
         loops = [op for op in self.ops("while") if any(dims == shape for _, dims in op.shapes)]
-        assert len(loops) == 1, f"{len(loops)} while loops carry {shape}"
-        return loops[0]
+        inner = set().union(*(self.body(loop) for loop in loops))
+        outer = [loop for loop in loops
+                 if not any(loop in self.computations[name] for name in inner)]
+        assert len(outer) == 1, f"{len(outer)} outermost while loops carry {shape}"
+        return outer[0]
 
     def body(self, loop: Op) -> set[str]:
         (body,) = re.findall(r"\bbody=%([\w.\-]+)", loop.text)

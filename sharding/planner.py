@@ -26,7 +26,8 @@ A step of `rows` rows, `tokens` new tokens each, attending to `context` position
               experts' combine when they split over `model`, the shared expert's when it
               splits), plus, when the vocabulary is
               split, the embedding's all-reduce of [rows * tokens, D], an all-gather of the
-              [rows, V] float32 logits and SAMPLER_COLLECTIVES - 1 per-row collectives;
+              [rows, V] float32 logits (steps returning logprobs) and SAMPLER_COLLECTIVES
+              per-row collectives;
               ring all-reduce = 2 (m - 1) / m * bytes / link_bw + COLLECTIVE_LATENCY_S
 
 Logits are computed at each row's last token only, and attention covers the whole context for
@@ -74,11 +75,12 @@ from meshserve.sharding.hardware import HardwareSpec
 # assumption of the order of NCCL's small-message all-reduce latency within one NVLink node
 # (microseconds to tens of microseconds); no datasheet gives it, and it is used for ICI as well.
 COLLECTIVE_LATENCY_S = 10e-6
-# Collectives of the sampler on the vocabulary-split logits in every step (the greedy path of the
-# compiled step): per-row maxima and sums, candidate gathers, one all-gather of the [rows, V]
-# float32 logits for the top-k logprobs, and the scalar vote on the shortcuts. The penalty and
-# min-tokens passes run only on steps where a row needs them.
-SAMPLER_COLLECTIVES = 7
+# Per-row collectives of the sampler on the vocabulary-split logits in every step (the greedy
+# path of the compiled step): maxima and sums, candidate gathers, and the scalar votes on the
+# shortcuts. The all-gather of the [rows, V] float32 logits for the top-k logprobs runs only on
+# steps where a row returns logprobs; the cost model charges it anyway (the costlier step). The
+# penalty and min-tokens passes run only on steps where a row needs them.
+SAMPLER_COLLECTIVES = 6
 LOGITS_BYTES = 4  # the sampler works on float32 logits
 DEFAULT_HEADROOM = 0.1
 
@@ -448,7 +450,7 @@ def tensor_parallel_seconds(config: ModelConfig, hardware: HardwareSpec, mesh: M
     if is_vocab_split(config, mesh):
         logits = rows * config.vocab_size * LOGITS_BYTES
         seconds += all_gather_seconds(logits, mesh.model, bandwidth)
-        seconds += (SAMPLER_COLLECTIVES - 1) * COLLECTIVE_LATENCY_S
+        seconds += SAMPLER_COLLECTIVES * COLLECTIVE_LATENCY_S
     return seconds
 
 

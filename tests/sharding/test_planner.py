@@ -141,8 +141,11 @@ def test_sampler_collectives_equal_the_hlos_greedy_path(preset, mesh, tokens):
                 if op.shapes == (("f32", (4 * tokens, config.hidden_size)),)}
     sampler = [op for op in hlo.collectives(always) if op.name not in residual]
     assert len(sampler) == planner.SAMPLER_COLLECTIVES
-    gathered = [dims for op in sampler if op.opcode == "all-gather" for _, dims in op.shapes]
-    assert (4, config.vocab_size) in gathered  # the logits row the planner charges bytes for
+    gathered = [dims for op in hlo.collectives(set(hlo.computations) - always)
+                if op.opcode == "all-gather" for _, dims in op.shapes]
+    # The logits row the planner charges bytes for: gathered only on steps returning logprobs.
+    assert (4, config.vocab_size) in gathered
+    assert all(config.vocab_size not in dims for op in sampler for _, dims in op.shapes)
 
 
 def _reachable_outside_conditionals(hlo) -> set[str]:
