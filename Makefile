@@ -4,6 +4,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
+# Test files are spread over JOBS processes (pytest-xdist), each file kept whole in one so its
+# module fixtures (compiled engines) are built once.
+JOBS ?= 2
 
 .PHONY: install demo test test-fast clean
 
@@ -23,10 +26,10 @@ demo: $(STAMP)
 		--output .cache/demo-results.jsonl --show $(DEMO_FLAGS)
 
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(JOBS) --dist loadfile $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(JOBS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
