@@ -186,17 +186,19 @@ def kernel_formats(model: nnx.Module, scheme: str) -> dict[str, QuantFormat]:
     return formats
 
 
-def scheme_plans(scheme: str):
-    """The loaders' `plans` for `scheme`: config -> {kernel key: KernelPlan}; None for "none"."""
+def scheme_plans(scheme: str, platform: str | None = None):
+    """The loaders' `plans` for `scheme` on `platform` (default: JAX's default backend's):
+    config -> {kernel key: KernelPlan}; None for "none"."""
     scheme_format(scheme, 1, 1)  # an unknown scheme fails here, before any file is read
     if scheme == "none":
         return None
+    platform = platform or jax.default_backend()
     from meshserve.model.transformer import abstract_model  # transformer imports layers
 
     def plans(config) -> dict[str, KernelPlan]:
         model = abstract_model(config)
         kernel_formats(model, scheme)  # checks that the float kernels divide into groups
-        return {key: scheme_plan(scheme, n, out)
+        return {key: scheme_plan(scheme, n, out, platform=platform)
                 for key, (_, n, out) in dense_kernels(model).items()}
 
     return plans

@@ -19,7 +19,8 @@ them from float weights (`quantize`) or straight from GGUF blocks.
 
 `SCHEMES` are the user's choices (`EngineConfig.quantization`): what float kernels become, and
 which bit widths a GGUF's blocks are kept in (`KernelPlan`). "auto" keeps a GGUF's quantized
-blocks exactly (int4 where their codes fit 4 bits, else int8) and leaves float weights float.
+blocks exactly and leaves float weights float; the container depends on the platform
+(`auto_keep_bits`): int8 on the CPU, elsewhere int4 where the codes fit 4 bits, else int8.
 
 This module imports neither jax nor flax.
 """
@@ -142,12 +143,23 @@ class KernelPlan:
     num_out: int
 
 
-def scheme_plan(scheme: str, num_contracted: int, num_out: int) -> KernelPlan | None:
-    """The plan of `scheme` for one kernel; None for "none"."""
+def auto_keep_bits(platform: str) -> tuple[int, ...]:
+    """The bit widths "auto" keeps a GGUF's blocks in on `platform` ("cpu", "gpu", "tpu"), the
+    first that fits. On the CPU, int8 containers: XLA:CPU streams int8 codes into its dot faster
+    than it unpacks int4's nibbles (SmolLM2's decode step at 1 / 8 / 32 rows: int8 14.4 / 26.1 /
+    69.9 ms, int4 31.4 / 27.4 / 70.5 ms, benchmarks/results/roofline-smollm2-*-cpu.json), and a
+    4-bit code is held exactly in 8 bits, so the function is the same. Elsewhere int4, for its
+    bytes."""
+    return (8,) if platform == "cpu" else (4, 8)
+
+
+def scheme_plan(scheme: str, num_contracted: int, num_out: int, *,
+                platform: str = "cpu") -> KernelPlan | None:
+    """The plan of `scheme` for one kernel on `platform`; None for "none"."""
     fmt = scheme_format(scheme, num_contracted, num_out)
     if scheme == "none":
         return None
-    keep = (4, 8) if scheme == "auto" else (fmt.bits,)
+    keep = auto_keep_bits(platform) if scheme == "auto" else (fmt.bits,)
     return KernelPlan(fmt=fmt, keep_bits=keep, num_contracted=num_contracted, num_out=num_out)
 
 

@@ -66,7 +66,7 @@ PREFILL_CHUNK = 256
 PREFILL_DECODES = 16
 
 
-def _identity_attention(q, k, v, cache_k, cache_v, layer, meta, *, block_pages):
+def _identity_attention(q, k, v, cache_k, cache_v, layer, meta, **_):
     return q, cache_k, cache_v
 
 
@@ -81,15 +81,15 @@ def _no_lm_head(self, x):
     return jnp.broadcast_to(x[..., :1], (*x.shape[:-1], self.config.vocab_size))
 
 
-def _no_layers(model, tokens, positions, ctx, constrain=None):
-    return model.embed_tokens(tokens, positions), ctx
+def _no_layers(model, x, positions, ctx, constrain=None, sliding=None):
+    return x, ctx
 
 
 @contextlib.contextmanager
 def variant(name: str):
     """The step's code with part `name` replaced, for runners built inside the block."""
     saved = (attention.ATTENTION_BACKENDS["jnp"], steps.sample, transformer.Llama.logits,
-             steps.run_layers)
+             steps.apply_layers)
     if name == "no-attention":
         attention.ATTENTION_BACKENDS["jnp"] = _identity_attention
     elif name == "no-sampler":
@@ -97,12 +97,12 @@ def variant(name: str):
     elif name == "no-lm-head":
         transformer.Llama.logits = _no_lm_head
     elif name == "no-layers":
-        steps.run_layers = _no_layers
+        steps.apply_layers = _no_layers
     try:
         yield
     finally:
         (attention.ATTENTION_BACKENDS["jnp"], steps.sample, transformer.Llama.logits,
-         steps.run_layers) = saved
+         steps.apply_layers) = saved
 
 
 VARIANTS = ("full", "no-attention", "no-sampler", "no-lm-head", "no-layers")

@@ -40,8 +40,9 @@ class EngineConfig(SchedulingKnobs):
                                                "Python also a MeshConfig); unset: one device",
                                          compile=True)
     quantization: str = knob("auto", "weight-only quantized kernels. auto: a GGUF's quantized "
-                                     "blocks kept exactly (int4, or int8 where codes need more "
-                                     "bits), float weights left float; int8 (a scale per "
+                                     "blocks kept exactly (in int8 containers on the CPU, "
+                                     "elsewhere int4 where codes fit 4 bits, else int8), float "
+                                     "weights left float; int8 (a scale per "
                                      "output channel), int4 (a scale and a minimum per 32 "
                                      "weights), int4-g64 (per 64): float kernels quantized too; "
                                      "none: everything float", compile=True, choices=SCHEMES)

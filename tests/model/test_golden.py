@@ -64,25 +64,39 @@ def smollm2_golden(golden_dir):
     return json.loads((golden_dir / "smollm2.json").read_text())
 
 
-@pytest.fixture(scope="module")
-def smollm2_default_quantization(smollm2_files):
-    """SmolLM2 loaded as the engine loads it by default: under `auto` its Q4_1 kernels stay int4
-    blocks (`meshserve.model.quant`), where `smollm2_pretrained` dequantizes them to float32."""
+def _smollm2_kept_blocks(smollm2_files, scheme: str, bits: int):
+    """SmolLM2 with its Q4_1 kernels kept as quantized blocks (`meshserve.model.quant`), where
+    `smollm2_pretrained` dequantizes them to float32."""
     from meshserve.model.pretrained import load_pretrained
     from meshserve.model.quant import quantized_arrays
 
-    scheme = EngineConfig().quantization
     model = load_pretrained(str(smollm2_files.path), quantization=scheme).model
-    assert {q.format.bits for q in quantized_arrays(model).values()} == {4}, scheme
+    assert {q.format.bits for q in quantized_arrays(model).values()} == {bits}, scheme
     return model
 
 
+@pytest.fixture(scope="module")
+def smollm2_default_quantization(smollm2_files):
+    """As the engine loads it by default on the CPU: `auto` keeps the blocks in int8 containers."""
+    return _smollm2_kept_blocks(smollm2_files, EngineConfig().quantization, 8)
+
+
+@pytest.fixture(scope="module")
+def smollm2_int4(smollm2_files):
+    """As `auto` keeps them on a GPU: int4, a scale and a minimum per 32 weights."""
+    return _smollm2_kept_blocks(smollm2_files, "int4", 4)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("weights", ["float32", "engine default"])
+@pytest.mark.parametrize("weights", ["float32", "engine default", "int4"])
 def test_smollm2_greedy_matches_hf(weights, request, smollm2_golden):
-    """The float32 weights, and the engine's default quantization (`auto`: int4 kernels)."""
-    model = (request.getfixturevalue("smollm2_pretrained").model if weights == "float32"
-             else request.getfixturevalue("smollm2_default_quantization"))
+    """The float32 weights, the engine's default quantization on the CPU (`auto`: int8
+    containers) and int4 kernels (`auto` on a GPU)."""
+    fixture = {"float32": "smollm2_pretrained", "engine default": "smollm2_default_quantization",
+               "int4": "smollm2_int4"}[weights]
+    model = request.getfixturevalue(fixture)
+    if weights == "float32":
+        model = model.model
     cases = smollm2_golden["cases"]
     num_new = smollm2_golden["num_new_tokens"]
     assert len(cases) >= 6 and max(len(c["prompt_ids"]) for c in cases) > 1000

@@ -18,8 +18,8 @@ from meshserve.model.layers import Dense
 from meshserve.model.loaders import load_gguf
 from meshserve.model.quant import (QuantizedKernel, quantize_model, quantized_arrays,
                                    quantized_matmul, scheme_plans, weight_bytes)
-from meshserve.model.quantization import (QuantFormat, QuantizedArray, dequantize, from_codes,
-                                          quantize, scheme_format)
+from meshserve.model.quantization import (QuantFormat, QuantizedArray, auto_keep_bits,
+                                          dequantize, from_codes, quantize, scheme_format)
 from meshserve.model.steps import forward_dense
 from meshserve.model.transformer import create_model, model_from_params
 from tests.model.test_loaders import (gguf_llama_metadata, gguf_llama_tensors,
@@ -196,18 +196,29 @@ def test_gguf_blocks_load_into_kernels_exactly(quantized_gguf, scheme):
     assert set(quantized_arrays(model)) == {k for k in params if k.endswith("/kernel")}
 
 
-def test_auto_keeps_every_block_type_that_fits_and_leaves_the_rest_float(quantized_gguf):
-    """auto: 4-bit blocks as int4, 5- to 8-bit ones as int8, exactly; a kernel whose layers
-    mix block formats (up: Q5_K and Q8_0) stays float."""
+@pytest.mark.parametrize("platform, want_bits", [
+    ("gpu", {"q": 4, "k": 4, "gate": 4, "v": 8, "o": 8, "down": 8}),
+    ("cpu", {"q": 8, "k": 8, "gate": 8, "v": 8, "o": 8, "down": 8}),
+])
+def test_auto_keeps_every_block_type_that_fits_and_leaves_the_rest_float(quantized_gguf,
+                                                                         platform, want_bits):
+    """auto on a GPU: 4-bit blocks as int4, 5- to 8-bit ones as int8; on the CPU every block in
+    int8 containers; exactly, either way. A kernel whose layers mix block formats (up: Q5_K and
+    Q8_0) stays float."""
     _, floats = load_gguf(quantized_gguf)
-    _, params = load_gguf(quantized_gguf, plans=scheme_plans("auto"))
+    _, params = load_gguf(quantized_gguf, plans=scheme_plans("auto", platform=platform))
     bits = {key.split("/")[-2]: value.format.bits for key, value in params.items()
             if isinstance(value, QuantizedArray)}
-    assert bits == {"q": 4, "k": 4, "gate": 4, "v": 8, "o": 8, "down": 8}
+    assert bits == want_bits
     for key, value in params.items():
         want = floats[key]
         got = dequantize(value) if isinstance(value, QuantizedArray) else value
         np.testing.assert_array_equal(got, want, err_msg=key)
+
+
+def test_auto_follows_the_default_backend():
+    plans = scheme_plans("auto")(ModelConfig.preset("tiny-llama", head_dim=32))
+    assert {plan.keep_bits for plan in plans.values()} == {auto_keep_bits(jax.default_backend())}
 
 
 def test_int4_model_computes_the_float_models_function(quantized_gguf):
