@@ -215,6 +215,7 @@ class RaggedMeta:
     cached_lens: jax.Array  # [T] tokens of its sequence cached before this step
     step_mask: jax.Array  # [T, T] bool: token t may attend to this step's token u
     num_context_blocks: jax.Array  # [] blocks of the cached context the longest one reads
+    by_length: jax.Array  # [T] token slots in the order of their cached lengths (jnp backend)
 
 
 def ragged_meta(batch: RaggedBatch, *, page_size: int, block_pages: int) -> RaggedMeta:
@@ -228,7 +229,8 @@ def ragged_meta(batch: RaggedBatch, *, page_size: int, block_pages: int) -> Ragg
     return RaggedMeta(
         write_slots=batch.write_slots, positions=batch.positions,
         token_pages=batch.page_table[seq], cached_lens=cached, step_mask=step_mask,
-        num_context_blocks=(jnp.max(cached) + block_tokens - 1) // block_tokens)
+        num_context_blocks=(jnp.max(cached) + block_tokens - 1) // block_tokens,
+        by_length=jnp.argsort(cached))
 
 
 # Tokens whose cached context one iteration of the context loop reads together, taken in the
@@ -271,7 +273,7 @@ def ragged_attention_jnp(q: jax.Array, k: jax.Array, v: jax.Array, cache_k: jax.
     width = math.gcd(tokens, QUERY_BLOCK)
     # The context loop runs over token slots in the order of their cached lengths, so a block
     # of slots reads about as much context as each of its tokens needs, not the step's longest.
-    order = jnp.argsort(meta.cached_lens)
+    order = meta.by_length
     by_length = lambda a: jnp.take(a, order, axis=0)  # noqa: E731
     q_s, pages_s, cached_s, positions_s = (by_length(a) for a in (
         q, meta.token_pages, meta.cached_lens, meta.positions))

@@ -154,7 +154,7 @@ def auto_keep_bits(platform: str) -> tuple[int, ...]:
 
 
 def scheme_plan(scheme: str, num_contracted: int, num_out: int, *,
-                platform: str = "cpu") -> KernelPlan | None:
+                platform: str) -> KernelPlan | None:
     """The plan of `scheme` for one kernel on `platform`; None for "none"."""
     fmt = scheme_format(scheme, num_contracted, num_out)
     if scheme == "none":

@@ -49,10 +49,10 @@ def load_sharded(name_or_path: str, mesh_config: MeshConfig | str | None, *,
     `rules`, and heads padded for `mesh_config.model`. The model config of the result is the
     padded one."""
     mesh_config = MeshConfig.coerce(mesh_config)
-    scheme_plans(quantization)  # an unknown scheme fails before any file is read
     if name_or_path in PRESETS:
         return load_pretrained(name_or_path, dtype=dtype, seed=seed, quantization=quantization)
     mesh = mesh or mesh_config.make_mesh()
+    # an unknown scheme fails here, before any file is read
     plans = scheme_plans(quantization, platform=mesh.devices.flat[0].platform)
     files = resolve_model(name_or_path, cache_dir=cache_dir)
     if files.kind == "orbax":
