@@ -299,7 +299,7 @@ class _Api:
             return read_request(request.structured_fields, chat=request.endpoint == "chat",
                                 chat_tools=self.chat_tools)
         except FieldError as err:
-            raise RequestError(err.param, str(err)) from None
+            raise RequestError(err.param, str(err), code=err.code) from None
 
     @staticmethod
     def _echo_id(header_id: str | None, body_id: str | None) -> str | None:

@@ -8,7 +8,9 @@ as `token_id:<id>` (`return_tokens_as_token_ids`). Every object carries the serv
 `system_fingerprint`. Tool calls (`tools`) come as a `tool_calls` message with finish_reason
 "tool_calls", or streamed as OpenAI's tool-call deltas: read from the model's own format by
 `tool_calls.CallParser`, with any content beside them, or from an output constrained to one call
-by `ToolCallStream`.
+by `ToolCallStream`. Whichever way a stream goes, logprobs and `token_ids` (when asked) come in
+the chunk of the step that made their tokens, even one whose text is held back, so a stream's
+chunks together carry each output token once, as the whole response does.
 """
 
 from __future__ import annotations
@@ -89,26 +91,38 @@ class Render:
         return "tool_calls" if is_called else completion.finish_reason
 
     def delta(self, delta: Delta) -> list[dict]:
-        if self.tool_stream is not None:
-            return self._tool_chunks(self.tool_stream.add(delta.text), None, delta.output)
-        text, calls = delta.text, []
-        if self.parser is not None:
-            text, calls = self.parser.add(delta.text)
+        """The chunks of one `Delta`. With logprobs or `return_token_ids`, every delta gives a
+        chunk carrying its own tokens' logprobs and ids (even when its text is held back), so
+        a stream's chunks together carry each output token once, as the whole response does."""
         logprobs = self._logprobs(delta.token_ids, delta.logprobs)
-        if not (text or calls or logprobs or self.is_first or self.return_token_ids):
-            return []
         is_first = self.is_first
-        chunk = self._chunk(text, logprobs, None, delta.output, calls)
+        if self.tool_stream is not None:
+            chunks = self._tool_chunks(self.tool_stream.add(delta.text), None, delta.output,
+                                       logprobs, has_tokens=self._carries_tokens(logprobs))
+        else:
+            text, calls = delta.text, []
+            if self.parser is not None:
+                text, calls = self.parser.add(delta.text)
+            if not (text or calls or is_first or self._carries_tokens(logprobs)):
+                return []
+            chunks = [self._chunk(text, logprobs, None, delta.output, calls)]
         if self.return_token_ids:
-            chunk["choices"][0]["token_ids"] = delta.token_ids
-            if is_first:
-                chunk["prompt_token_ids"] = list(delta.output.prompt_token_ids)
-        return [chunk]
+            for chunk in chunks:
+                chunk["choices"][0]["token_ids"] = delta.token_ids
+                if is_first:
+                    chunk["prompt_token_ids"] = list(delta.output.prompt_token_ids)
+        return chunks
+
+    def _carries_tokens(self, logprobs: dict | None) -> bool:
+        """Whether a delta's tokens go out in a chunk of their own, text or none."""
+        return bool(logprobs) or self.return_token_ids
 
     def _tool_chunks(self, calls: list[dict], finish_reason: str | None,
-                     output: RequestOutput) -> list[dict]:
-        """A chat chunk carrying OpenAI's tool-call deltas (none when there is nothing new)."""
-        if not calls and finish_reason is None and not self.is_first:
+                     output: RequestOutput, logprobs: dict | None = None, *,
+                     has_tokens: bool = False) -> list[dict]:
+        """A chat chunk carrying OpenAI's tool-call deltas; none when there is nothing new (no
+        call delta, no finish, not the first, and no tokens to carry)."""
+        if not (calls or finish_reason is not None or self.is_first or has_tokens):
             return []
         delta = {"tool_calls": calls} if calls else {}
         if self.is_first:
@@ -117,7 +131,7 @@ class Render:
         body = self._base("chat.completion.chunk")
         if self.include_usage:
             body["usage"] = usage(output) if self.continuous_usage else None
-        return [body | {"choices": [{"index": 0, "delta": delta, "logprobs": None,
+        return [body | {"choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
                                      "finish_reason": finish_reason}]}]
 
     def finish(self, output: RequestOutput) -> list[dict]:

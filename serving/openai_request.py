@@ -345,15 +345,19 @@ FIELDS: tuple[Field, ...] = (
     refused("verbosity", "no verbosity control", endpoints=CHAT),
     refused("web_search_options", "no web search", endpoints=CHAT),
     refused("moderation", "no moderation", endpoints=CHAT),
-    honoured("response_format", "json_object or json_schema (with strict, enforced either way) "
-             "constrain the output; text does not", _json_value((dict,))),
+    honoured("response_format", "json_object or json_schema (name, description, schema, strict: "
+             "enforced either way; no schema: any JSON object) constrain the output; text does "
+             "not; any other key is refused by its path", _json_value((dict,))),
     honoured("tools", "functions, answered as tool_calls: in the model's own format where its "
              "chat template declares tools (Hermes/Qwen `<tool_call>` blocks, each call held to "
-             "its tool's schema), else through a system message", _json_value((list,)),
+             "its tool's schema), else through a system message; a function takes name, "
+             "description, parameters and strict (held to its schema either way), any other key "
+             "is refused by its path", _json_value((list,)),
              endpoints=CHAT),
     honoured("tool_choice", "auto (the default with tools: text, calls or both; needs the "
              "model's own format, refused naming why without it), required, none, or a named "
-             "function", _json_value((str, dict)), endpoints=CHAT),
+             "function, `{\"type\": \"function\", \"function\": {\"name\"}}` and no other key",
+             _json_value((str, dict)), endpoints=CHAT),
     honoured("parallel_tool_calls", "false: one call at most; true (the default): as many as "
              "the model writes in its own format", _typed(bool), endpoints=CHAT),
     refused("functions", _OLD_FUNCTIONS, neutral=([],), endpoints=CHAT),
@@ -370,7 +374,8 @@ FIELDS: tuple[Field, ...] = (
              "ignore_eos", _typed(int), origin="vLLM", sampling="min_tokens"),
     honoured("prompt_logprobs", "not with stream; in the response as vLLM gives them",
              _typed(int), origin="vLLM", sampling="prompt_logprobs"),
-    honoured("return_token_ids", "adds token_ids (and prompt_token_ids) to the response",
+    honoured("return_token_ids", "adds token_ids (and prompt_token_ids) to the response; "
+             "streamed, each chunk has its own tokens' ids (and logprobs), tool calls too",
              _typed(bool), origin="vLLM"),
     honoured("return_tokens_as_token_ids", "logprob tokens as `token_id:<id>`", _typed(bool),
              origin="vLLM"),

@@ -6,7 +6,8 @@ tool calls, a `ToolCalls` plan. The fields, each mapped to the same engine const
 
     response_format {"type": "json_object"}                  any JSON object
     response_format {"type": "json_schema", "json_schema":   JSON valid against the schema
-        {"name", "schema", "strict"}}                        (always enforced, strict or not)
+        {"name", "description", "schema", "strict"}}         (always enforced, strict or not;
+                                                             without a schema, any JSON object)
     guided_json, guided_regex, guided_choice, guided_grammar vLLM's extra fields
                                                              (its guided_decoding_backend is
                                                              checked by the field table)
@@ -14,7 +15,9 @@ tool calls, a `ToolCalls` plan. The fields, each mapped to the same engine const
         "grammar" | "json_object"}
     tools, tool_choice, parallel_tool_calls                   tool calls (below)
 
-Only one of them per request; two are refused naming both.
+Only one of them per request; two are refused naming both. The objects these fields hold take
+the keys OpenAI's API defines for them and no other (`check_keys`): an unknown key is refused by
+its path, such as `response_format.json_schema.schema_` or `tools[0].function.colour`.
 
 Tool calls take one of two ways, chosen by the model's chat template (`tool_calls.chat_tools`):
   - the model's own format, where the template declares tools and writes calls in a format
@@ -57,9 +60,41 @@ EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
 class FieldError(ValueError):
-    def __init__(self, param: str, message: str):
+    """`param` names the field at fault, as a path (`tools[0].function.name`); `code` is
+    OpenAI's error code: invalid_value, or unknown_parameter for a key no such object has."""
+
+    def __init__(self, param: str, message: str, code: str = "invalid_value"):
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
+
+
+# The keys of each object these fields hold, as OpenAI's API defines them; any other key is a
+# FieldError naming its path, so nothing a client sends is silently left out.
+RESPONSE_FORMAT_KEYS = {"text": ("type",), "json_object": ("type",),
+                        "json_schema": ("type", "json_schema")}
+JSON_SCHEMA_KEYS = ("name", "description", "schema", "strict")
+TOOL_KEYS = ("type", "function")
+FUNCTION_KEYS = ("name", "description", "parameters", "strict")
+TOOL_CHOICE_KEYS = ("type", "function")
+TOOL_CHOICE_FUNCTION_KEYS = ("name",)
+
+
+def check_keys(where: str, value: dict, keys: tuple[str, ...], *, what: str = "") -> None:
+    """Refuses the first key of `value` (the object at path `where`, described as `what`) that
+    is not one of `keys`."""
+    unknown = next((key for key in value if key not in keys), None)
+    if unknown is not None:
+        raise FieldError(f"{where}.{unknown}", f"{where}.{unknown} is not a field of "
+                         f"{what or where}; its fields are {', '.join(keys)}",
+                         code="unknown_parameter")
+
+
+def _optional(where: str, value: dict, key: str, kind: type, wanted: str):
+    """`value[key]`, None when absent or null; a FieldError unless it is a `kind`."""
+    item = value.get(key)
+    if item is not None and not isinstance(item, kind):
+        raise FieldError(f"{where}.{key}", f"{where}.{key} must be {wanted}")
+    return item
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,28 +224,45 @@ def read_structured(body: dict, *, chat: bool, chat_tools: ChatTools = NO_TEMPLA
 
 
 def _response_format(value) -> StructuredOutput | None:
+    """OpenAI's response_format: `{"type": "text"}`, `{"type": "json_object"}`, or
+    `{"type": "json_schema", "json_schema": {...}}` (`_json_schema`); no other key."""
     if value is None:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
         raise FieldError("response_format", "response_format must be an object with a type: "
                                             "text, json_object or json_schema")
     kind = value["type"]
+    if kind not in RESPONSE_FORMAT_KEYS:
+        raise FieldError("response_format.type", f"response_format.type must be text, "
+                         f"json_object or json_schema, got {kind!r}")
+    check_keys("response_format", value, RESPONSE_FORMAT_KEYS[kind],
+               what=f"a {kind} response_format")
     if kind == "text":
         return None
     if kind == "json_object":
         return StructuredOutput(json_object=True)
-    if kind != "json_schema":
-        raise FieldError("response_format.type", f"response_format.type must be text, "
-                         f"json_object or json_schema, got {kind!r}")
-    spec = value.get("json_schema")
-    if not isinstance(spec, dict) or not isinstance(spec.get("name", ""), str):
-        raise FieldError("response_format.json_schema", "response_format.json_schema must be "
-                         "an object with a name and a schema")
-    if not isinstance(spec.get("strict", False), (bool, type(None))):
-        raise FieldError("response_format.json_schema.strict",
-                         "response_format.json_schema.strict must be true or false")
-    schema = spec.get("schema", {"type": "object"})
-    return _constraint("response_format.json_schema.schema", "json_schema", schema)
+    return _json_schema(value.get("json_schema"))
+
+
+def _json_schema(spec) -> StructuredOutput:
+    """response_format.json_schema: `name` (required, spelled as a function name), `description`
+    (checked; the model is never shown it: the constraint holds the output to the schema),
+    `schema` (optional in OpenAI's API: without it the output is any JSON object, as with
+    json_object) and `strict` (true, false or null: the schema is enforced either way)."""
+    where = "response_format.json_schema"
+    if not isinstance(spec, dict):
+        raise FieldError(where, f"{where} must be an object with a name (and a schema)")
+    check_keys(where, spec, JSON_SCHEMA_KEYS)
+    name = spec.get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise FieldError(f"{where}.name", f"{where}.name is required, and must be 1 to 64 "
+                                          "letters, digits, underscores or dashes")
+    _optional(where, spec, "description", str, "a string")
+    _optional(where, spec, "strict", bool, "true or false")
+    schema = spec.get("schema")
+    if schema is None:
+        return StructuredOutput(json_object=True)
+    return _constraint(f"{where}.schema", "json_schema", schema)
 
 
 def _structured_outputs(value) -> StructuredOutput:
@@ -224,7 +276,7 @@ def _structured_outputs(value) -> StructuredOutput:
     unknown = sorted(set(value) - set(_STRUCTURED_OUTPUTS) - set(_UNSERVED_STRUCTURED_OUTPUTS))
     if unknown:
         raise FieldError(f"structured_outputs.{unknown[0]}",
-                         f"structured_outputs: unknown fields {unknown}")
+                         f"structured_outputs: unknown fields {unknown}", code="unknown_parameter")
     given = {name: v for name, v in value.items()
              if name in _STRUCTURED_OUTPUTS and v is not None and v is not False}
     if len(given) != 1:
@@ -267,43 +319,67 @@ def _tool_calls(body: dict, *, chat: bool, chat_tools: ChatTools) -> ToolCalls |
         return None
     if choice == "required":
         return ToolCalls(tools=parsed, forced=None, own=own, is_parallel=is_parallel)
-    name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
-    if not isinstance(choice, dict) or choice.get("type") != "function" or name is None:
+    forced = _named_choice(choice, parsed)
+    return ToolCalls(tools=parsed, forced=forced, own=own, is_parallel=is_parallel)
+
+
+def _named_choice(choice, tools: tuple[Tool, ...]) -> Tool:
+    """The tool a tool_choice object names: `{"type": "function", "function": {"name"}}`, no
+    other key (OpenAI's allowed_tools and custom choices are not served)."""
+    if not isinstance(choice, dict):
         raise FieldError("tool_choice", "tool_choice must be none, auto, required or "
                          '{"type": "function", "function": {"name": ...}}')
-    forced = next((tool for tool in parsed if tool.name == name), None)
+    if choice.get("type") != "function":
+        raise FieldError("tool_choice.type", 'tool_choice.type must be "function" (allowed_tools '
+                         f"and custom tools are not served), got {choice.get('type')!r}")
+    check_keys("tool_choice", choice, TOOL_CHOICE_KEYS)
+    function = choice.get("function")
+    if not isinstance(function, dict):
+        raise FieldError("tool_choice.function", 'tool_choice.function must be {"name": ...}')
+    check_keys("tool_choice.function", function, TOOL_CHOICE_FUNCTION_KEYS)
+    name = function.get("name")
+    if not isinstance(name, str):
+        raise FieldError("tool_choice.function.name",
+                         "tool_choice.function.name must be a tool's name")
+    forced = next((tool for tool in tools if tool.name == name), None)
     if forced is None:
         raise FieldError("tool_choice", f"tool_choice names {name!r}, which is not among the "
                          "tools")
-    return ToolCalls(tools=parsed, forced=forced, own=own, is_parallel=is_parallel)
+    return forced
 
 
 def _tools(tools) -> tuple[Tool, ...]:
     if not isinstance(tools, list) or not tools:
         raise FieldError("tools", "tools must be a non-empty list of functions")
-    parsed = []
-    for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type") != "function" or \
-                not isinstance(function, dict):
-            raise FieldError(f"tools[{i}]", f'tools[{i}] must be {{"type": "function", '
-                                            f'"function": {{"name", "parameters"}}}}')
-        name = function.get("name")
-        if not isinstance(name, str) or not _NAME.match(name):
-            raise FieldError(f"tools[{i}].function.name", f"tools[{i}].function.name must be "
-                             "1 to 64 letters, digits, underscores or dashes")
-        parameters = function.get("parameters", EMPTY_PARAMETERS)
-        if not isinstance(parameters, dict):
-            raise FieldError(f"tools[{i}].function.parameters",
-                             f"tools[{i}].function.parameters must be a JSON schema object")
-        description = function.get("description", "")
-        if not isinstance(description, str):
-            raise FieldError(f"tools[{i}].function.description",
-                             f"tools[{i}].function.description must be a string")
-        parsed.append(Tool(name=name, description=description, parameters=parameters))
+    parsed = tuple(_tool(f"tools[{i}]", tool) for i, tool in enumerate(tools))
     if len({tool.name for tool in parsed}) != len(parsed):
         raise FieldError("tools", "tools: two functions have the same name")
-    return tuple(parsed)
+    return parsed
+
+
+def _tool(where: str, tool) -> Tool:
+    """One of tools: `{"type": "function", "function": {"name", "description", "parameters",
+    "strict"}}`, no other key. `strict` may be true, false or null: a call is held to its
+    parameters' schema either way."""
+    function = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(tool, dict) or tool.get("type") != "function" or \
+            not isinstance(function, dict):
+        raise FieldError(where, f'{where} must be {{"type": "function", '
+                                f'"function": {{"name", "parameters"}}}}')
+    check_keys(where, tool, TOOL_KEYS)
+    at = f"{where}.function"
+    check_keys(at, function, FUNCTION_KEYS)
+    name = function.get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise FieldError(f"{at}.name", f"{at}.name must be 1 to 64 letters, digits, "
+                                       "underscores or dashes")
+    parameters = function.get("parameters")
+    if parameters is not None and not isinstance(parameters, dict):
+        raise FieldError(f"{at}.parameters", f"{at}.parameters must be a JSON schema object")
+    description = _optional(at, function, "description", str, "a string")
+    _optional(at, function, "strict", bool, "true or false")
+    return Tool(name=name, description=description or "",
+                parameters=EMPTY_PARAMETERS if parameters is None else parameters)
 
 
 def prompt_messages(messages: list[dict], calls: ToolCalls | None, chat_tools: ChatTools

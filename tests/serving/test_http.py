@@ -337,6 +337,40 @@ def test_a_full_queue_is_429_with_retry_after_at_once(gated):
     wait_for(lambda: _pages_free(server))
 
 
+def test_priority_orders_the_waiting_requests_lower_first():
+    """vLLM's `priority`, lower first: with one seat, requests queued while the engine is held
+    run by priority, and in arrival order within one; without the field they would run in
+    arrival order, and with its sign lost, backwards."""
+    engine_config = EngineConfig(**(FAKE | {"max_num_seqs": 1}))
+    engine = Engine(FakeModelRunner(engine_config), None, engine_config)
+    gate = StepGate(engine, shut=True)
+    finished = []  # each finished request's first prompt token: its place in arrival order
+    step = engine.step
+
+    def recorded_step():
+        outputs = step()
+        finished.extend(out.prompt_token_ids[0] for out in outputs if out.finished)
+        return outputs
+
+    engine.step = recorded_step
+    server = GenerationServer(engine, ServerConfig(port=0, http_port=0))
+    server.start()
+    try:
+        priorities = [0, 5, -5, 0, -1]  # in arrival order
+        with futures.ThreadPoolExecutor(len(priorities)) as pool:
+            answers = []
+            for i, priority in enumerate(priorities):
+                answers.append(pool.submit(_post, server, "/v1/completions", {
+                    "prompt": [i] + _prompt(i, 3), "max_tokens": 2, "priority": priority}))
+                wait_for(lambda: server.loop.load.num_waiting == i + 1)
+            gate.open()
+            assert [answer.result()[0] for answer in answers] == [200] * len(priorities)
+        assert finished == [2, 4, 0, 3, 1]
+    finally:
+        gate.open()
+        server.stop()
+
+
 def test_drain_is_503_on_health_and_new_requests_and_lets_streams_finish():
     server = _fake_server(step_seconds=0.005)
     conn, response = _open_stream(server, {"prompt": _prompt(30), "max_tokens": 80,

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from meshserve.batching.sampling import SamplingParams
 from meshserve.serving.client import Client
 from meshserve.serving.config import EngineConfig
 from meshserve.serving.engine import Engine
@@ -290,10 +291,12 @@ def test_refused_fields_run_nothing_on_either_endpoint(fake):
     assert fake.engine.runner.num_executed == runs
 
 
-def test_every_honoured_completions_field_is_served(fake):
-    """All at once, on the arithmetic runner (which samples greedily by its rule, so the tokens
-    are known); stop strings and structured output need a tokenizer, which it has not (and a
-    request takes one structured-output field: tests/serving/test_structured_openai.py)."""
+def test_every_honoured_completions_field_is_served(fake, monkeypatch):
+    """All at once. The arithmetic runner samples greedily by its rule whatever the sampling
+    fields, so the tokens are known; that each sampling field and the priority reach the engine
+    is checked on the request its scheduler is given. Stop strings and structured output need a
+    tokenizer, which it has not (and a request takes one structured-output field:
+    tests/serving/test_structured_openai.py)."""
     prompt = [2, 7, 1, 8]
     body = {"model": "arith-2", "prompt": prompt, "max_tokens": 6, "temperature": 0.5,
             "top_p": 0.9, "presence_penalty": 0.1, "frequency_penalty": 0.1, "seed": 3,
@@ -305,11 +308,33 @@ def test_every_honoured_completions_field_is_served(fake):
     assert served - set(body) == {"stop", "stream_options", "response_format",
                                   "structured_outputs", "guided_json", "guided_regex",
                                   "guided_choice", "guided_grammar"}
+    scheduled = _record_scheduled(fake, monkeypatch)
     status, _, answer = _post(fake.http_port, "/v1/completions", body)
     assert status == 200, answer
     choice = answer["choices"][0]
     assert choice["token_ids"] == reference_outputs(prompt, 6) and answer["id"] == "cmpl-all"
     assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    (request,) = scheduled
+    sampling = {f.sampling: body[f.name] for f in FIELDS if f.sampling and f.name in body}
+    assert {f.sampling for f in FIELDS if f.sampling} - set(sampling) == {"stop"}
+    defaults = SamplingParams()
+    for name, value in sampling.items():  # each a value the engine would not have by default
+        assert getattr(defaults, name) != getattr(SamplingParams(**{name: value}), name), name
+    assert request.params == SamplingParams(**sampling, max_tokens=6, logprobs=1)
+    assert request.priority == 1  # vLLM's lower-first, as the scheduler's higher-first
+
+
+def _record_scheduled(server: GenerationServer, monkeypatch) -> list:
+    """The engine requests `server`'s scheduler is given from now on, until the test ends."""
+    scheduler, scheduled = server.engine.scheduler, []
+    add = scheduler.add
+
+    def recorded(request) -> None:
+        scheduled.append(request)
+        add(request)
+
+    monkeypatch.setattr(scheduler, "add", recorded)
+    return scheduled
 
 
 @pytest.mark.parametrize("body,param,code", [

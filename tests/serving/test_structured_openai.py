@@ -123,6 +123,27 @@ def test_a_streamed_tool_call_follows_the_delta_format(client, tool_choice):
     _check_call(name, arguments)
 
 
+def test_a_streamed_tool_call_carries_the_whole_answer_s_logprobs_and_token_ids(client):
+    """Greedy, "required" (one call constrained as JSON, streamed as deltas): the chunks'
+    logprobs and token ids, joined, are the whole answer's, each token once."""
+    fields = dict(tools=TOOLS, tool_choice="required", temperature=0, logprobs=True,
+                  top_logprobs=2, extra_body={"return_token_ids": True})
+    whole = _chat(client, **fields).choices[0]
+    entries, ids = [], []
+    for chunk in _chat(client, stream=True, **fields):
+        choice = chunk.choices[0]
+        chunk_ids = getattr(choice, "token_ids", None)
+        if chunk_ids is not None:
+            assert len(choice.logprobs.content) == len(chunk_ids), chunk
+            entries += choice.logprobs.content
+            ids += chunk_ids
+    assert whole.finish_reason == "tool_calls" and ids == whole.token_ids
+    assert [(lp.token, [t.token for t in lp.top_logprobs]) for lp in entries] == [
+        (lp.token, [t.token for t in lp.top_logprobs]) for lp in whole.logprobs.content]
+    assert [lp.logprob for lp in entries] == pytest.approx(
+        [lp.logprob for lp in whole.logprobs.content], abs=1e-3)
+
+
 def test_tool_results_can_go_back_in_the_history(client):
     history = ASK + [
         {"role": "assistant", "content": None, "tool_calls": [{

@@ -7,7 +7,9 @@ template written for these tests. Everything else is real: the template renders 
 llguidance grammar on every token the script writes (a call off its schema ends
 "unsatisfiable"), and the official `openai` client reads the answers from a server on
 127.0.0.1. Also: the parser alone (streamed and whole agree at every split), the grammar's masks,
-and which templates declare tools.
+which templates declare tools, streamed logprobs and token ids on every way a chat answer streams
+(a template without tools too, where "required" and a named function constrain the output), and
+the keys the objects in response_format, tools and tool_choice take.
 """
 
 import json
@@ -536,3 +538,166 @@ def test_a_tool_schema_that_does_not_compile_is_a_400_naming_tools(served):
     with pytest.raises(openai.BadRequestError) as error:
         _chat(served, tools=bad)
     assert error.value.body["param"] == "tools" and "foo" in error.value.body["message"]
+
+
+# -- logprobs and token ids, streamed and whole ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def plain():
+    """The tokenizer of a template that shows the model no tools: "required" and a named
+    function constrain the whole output to one call, streamed by `ToolCallStream`."""
+    return hermes_tokenizer(NO_TOOLS)
+
+
+@pytest.fixture(scope="module")
+def served_plain(plain):
+    yield from _serve(plain)
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+WEATHER_ARGUMENTS = '{"city": "Paris", "unit": "celsius"}'
+# (server, tokenizer, tool_choice or None for no tools, the script): every way a chat answer
+# streams, the constrained call (ToolCallStream), the model's own format (CallParser) and text.
+STREAMED_WAYS = {
+    "required, no tool format": ("served_plain", "plain", "required", PARIS),
+    "named, no tool format": ("served_plain", "plain", NAMED, WEATHER_ARGUMENTS),
+    "auto, own format": ("served", "tokenizer", "auto",
+                         f"Let me look.\n<tool_call>\n{PARIS}\n</tool_call>"),
+    "no tools": ("served_plain", "plain", None, "It is sunny in Paris."),
+}
+
+
+def _stream_extras(chunks) -> dict:
+    """What a stream's chunks carry beside its text: each chunk's logprobs entries and token
+    ids (checked to cover the same tokens), the prompt's ids, the calls and the finish."""
+    entries, ids, prompt_ids, calls, finish = [], [], None, {}, None
+    for chunk in chunks:
+        choice = chunk.choices[0]
+        chunk_entries = choice.logprobs.content if choice.logprobs is not None else []
+        chunk_ids = getattr(choice, "token_ids", None)
+        if chunk_ids is None:
+            chunk_ids = []
+        else:  # a chunk's logprobs are its own tokens'
+            assert len(chunk_entries) == len(chunk_ids), chunk
+        entries += chunk_entries
+        ids += chunk_ids
+        if getattr(chunk, "prompt_token_ids", None) is not None:
+            assert prompt_ids is None, "prompt_token_ids come once, in the first chunk"
+            prompt_ids = chunk.prompt_token_ids
+        for call in choice.delta.tool_calls or []:
+            if call.id:
+                calls[call.index] = [call.function.name, ""]
+            calls[call.index][1] += call.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return dict(entries=entries, ids=ids, prompt_ids=prompt_ids,
+                calls=[tuple(calls[i]) for i in sorted(calls)], finish=finish)
+
+
+def _entry(lp) -> tuple:
+    return lp.token, lp.logprob, lp.bytes, [(t.token, t.logprob, t.bytes) for t in lp.top_logprobs]
+
+
+@pytest.mark.parametrize("way", list(STREAMED_WAYS))
+def test_streamed_chunks_carry_logprobs_and_token_ids_as_the_whole_answer(request, way):
+    """logprobs, top_logprobs and return_token_ids: the chunks together carry every output
+    token once, with the same entries and ids as the whole answer (the script is the greedy
+    output, the same both times), and a tool call streams the same call as the whole one."""
+    server, tokenizer, tool_choice, script = STREAMED_WAYS[way]
+    served, tokenizer = request.getfixturevalue(server), request.getfixturevalue(tokenizer)
+    _say(served, tokenizer, script)
+    tools = {} if tool_choice is None else {"tool_choice": tool_choice}
+    fields = dict(logprobs=True, top_logprobs=2, extra_body={"return_token_ids": True},
+                  tools=TOOLS if tool_choice is not None else None, **tools)
+    streamed = _stream_extras(_chat(served, stream=True, **fields))
+    whole = _chat(served, **fields)
+    choice = whole.choices[0]
+    ids = tokenizer.encode(script)  # then EOS, unless the constraint ended the output
+    assert choice.token_ids in (ids, ids + [EOS_ID])
+    assert streamed["ids"] == choice.token_ids and streamed["prompt_ids"] == (
+        whole.prompt_token_ids)
+    assert [_entry(lp) for lp in streamed["entries"]] == [
+        _entry(lp) for lp in choice.logprobs.content]
+    assert all(len(lp.top_logprobs) == 2 for lp in streamed["entries"])
+    del fields["extra_body"]  # logprobs alone stream the same entries
+    _say(served, tokenizer, script)
+    alone = _stream_extras(_chat(served, stream=True, **fields))
+    assert alone["ids"] == [] and [_entry(lp) for lp in alone["entries"]] == [
+        _entry(lp) for lp in choice.logprobs.content]
+    made = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    assert streamed["calls"] == made and streamed["finish"] == choice.finish_reason
+    assert (choice.finish_reason, len(made)) == (("stop", 0) if tool_choice is None
+                                                 else ("tool_calls", 1))
+
+
+# -- the objects in response_format, tools and tool_choice -----------------------------------------
+
+def _weather_tool(**extra) -> dict:
+    return {"type": "function", "function": TOOLS[0]["function"] | extra}
+
+
+def _schema_format(**spec) -> dict:
+    return {"type": "json_schema", "json_schema": spec}
+
+
+# (fields, param): a key OpenAI's API does not define in that object, or a wrong value of one
+# it does; each a 400 naming the key's path.
+NESTED_REFUSALS = [
+    ({"response_format": {"type": "json_object", "schema": WEATHER}}, "response_format.schema"),
+    ({"response_format": {"type": "text", "json_schema": {"name": "w"}}},
+     "response_format.json_schema"),
+    ({"response_format": _schema_format(name="w", schema=WEATHER, colour="red")},
+     "response_format.json_schema.colour"),
+    ({"response_format": _schema_format(name="w", json_schema=WEATHER)},
+     "response_format.json_schema.json_schema"),
+    ({"response_format": _schema_format(schema=WEATHER)}, "response_format.json_schema.name"),
+    ({"response_format": _schema_format(name="a name", schema=WEATHER)},
+     "response_format.json_schema.name"),
+    ({"response_format": _schema_format(name="w", schema=WEATHER, strict="yes")},
+     "response_format.json_schema.strict"),
+    ({"response_format": _schema_format(name="w", schema=WEATHER, description=3)},
+     "response_format.json_schema.description"),
+    ({"tools": [TOOLS[0], TOOLS[1] | {"colour": "red"}]}, "tools[1].colour"),
+    ({"tools": [_weather_tool(colour="red")]}, "tools[0].function.colour"),
+    ({"tools": [_weather_tool(arguments={})]}, "tools[0].function.arguments"),
+    ({"tools": [_weather_tool(strict="yes")]}, "tools[0].function.strict"),
+    ({"tool_choice": NAMED | {"colour": "red"}}, "tool_choice.colour"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather", "arguments": {}}}},
+     "tool_choice.function.arguments"),
+    ({"tool_choice": {"type": "function", "function": {}}}, "tool_choice.function.name"),
+    ({"tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [
+        {"type": "function", "function": {"name": "get_weather"}}]}}}, "tool_choice.type"),
+]
+
+
+@pytest.mark.parametrize("fields,param", NESTED_REFUSALS,
+                         ids=[param for _, param in NESTED_REFUSALS])
+def test_a_nested_key_not_served_is_a_400_naming_its_path(served, fields, param):
+    runs = served[1].num_executed
+    fields = {"tools": None} | fields if "response_format" in fields else fields
+    with pytest.raises(openai.BadRequestError) as error:
+        _chat(served, **fields)
+    body = error.value.body
+    assert error.value.status_code == 400 and body["param"] == param, body
+    assert body["message"].startswith(param), body
+    is_unknown = param.rsplit(".", 1)[-1] in ("colour", "schema", "json_schema", "arguments")
+    assert body["code"] == ("unknown_parameter" if is_unknown else "invalid_value"), body
+    assert served[1].num_executed == runs  # refused before anything ran
+
+
+def test_the_keys_openai_defines_in_those_objects_are_served(served, tokenizer):
+    """description and strict in a function and in response_format.json_schema; a json_schema
+    without a schema (OpenAI's is optional) holds the output to any JSON object."""
+    _say(served, tokenizer, f"<tool_call>\n{PARIS}\n</tool_call>")
+    done = _chat(served, tools=[_weather_tool(strict=True), TOOLS[1]], tool_choice=NAMED)
+    assert done.choices[0].finish_reason == "tool_calls"
+    for strict in (True, False, None):
+        _say(served, tokenizer, WEATHER_ARGUMENTS)
+        done = _chat(served, tools=None, response_format=_schema_format(
+            name="weather", description="The weather.", schema=WEATHER, strict=strict))
+        assert (done.choices[0].message.content, done.choices[0].finish_reason) == (
+            WEATHER_ARGUMENTS, "stop")
+    for script, finish in [('{"any": [1, "object"]}', "stop"), ("[1]", "unsatisfiable"),
+                           ("Sunny.", "unsatisfiable")]:
+        _say(served, tokenizer, script)
+        done = _chat(served, tools=None, response_format=_schema_format(name="anything"))
+        assert done.choices[0].finish_reason == finish, script
