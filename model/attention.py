@@ -370,43 +370,77 @@ def ragged_attention_pallas_gpu(q: jax.Array, k: jax.Array, v: jax.Array, cache_
     table and a length of `position + 1`: this step's keys were written first, so the kernel
     reads them from the cache too and causality falls out of the lengths. It does not scale the
     scores: q is pre-scaled. It soft-caps the scores itself. It masks keys by length only, so it
-    cannot keep to a sliding window: a model with one is refused (`check_backend`).
-    `interpret=True` runs it on the CPU (slowly), for the parity test.
+    cannot keep to a sliding window: a model with one is refused (`choose_backend`), and so is
+    one it cannot tile. Triton tiles are powers of two, so the pages a tile reads (a divisor of
+    the partition's pages, at most 8) are one too. `interpret=True` runs it on the CPU (slowly),
+    for the parity test.
     """
     del k, v, block_pages
     from jax.experimental.pallas.ops.gpu import paged_attention as pallas_paged
 
-    assert spec.window is None, "pallas-gpu has no sliding window; check_backend refuses it"
+    if spec.window is not None:  # not an assert: it must hold under `python -O` too
+        raise ValueError("the pallas-gpu attention backend cannot apply a sliding window; "
+                         "choose_backend refuses it for a model with one")
     num_pages = meta.token_pages.shape[1]
     k_splits = math.gcd(num_pages, 16)
     out = pallas_paged.paged_attention(
         q * spec.query_scale(q.shape[-1]), cache_k[layer], cache_v[layer], meta.token_pages,
         meta.positions + 1, k_splits=k_splits,
-        pages_per_compute_block=min(8, num_pages // k_splits),
+        pages_per_compute_block=math.gcd(num_pages // k_splits, 8),
         attn_logits_soft_cap=spec.softcap or None, interpret=interpret)
     return out.astype(q.dtype), cache_k, cache_v
 
 
 ATTENTION_BACKENDS = {"jnp": ragged_attention_jnp, "pallas-gpu": ragged_attention_pallas_gpu}
-# Backends that cannot keep to a sliding window.
-WINDOWLESS_BACKENDS = ("pallas-gpu",)
 
 
-def default_backend(platform: str, *, sliding_window: int = 0) -> str:
-    """The attention backend `auto` means on `platform` ("cpu", "gpu", "tpu") for a model with
-    (or without, 0) a sliding window."""
-    if platform == "gpu" and not sliding_window:
-        return "pallas-gpu"
-    return "jnp"
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
-def check_backend(backend: str, *, sliding_window: int) -> None:
-    """Raises ValueError naming the fix when `backend` cannot run a model with this window."""
-    if sliding_window and backend in WINDOWLESS_BACKENDS:
-        raise ValueError(
-            f"attention backend {backend!r} cannot apply a sliding window (JAX's Pallas "
-            f"paged-attention kernel masks keys by length only), and this model has a "
-            f"{sliding_window}-token window; use attention='jnp' (or 'auto')")
+def backend_limit(backend: str, *, sliding_window: int, head_dim: int,
+                  page_size: int) -> str | None:
+    """Why `backend` cannot run a model with this sliding window (0: no layer slides) and
+    head_dim over pages of `page_size` tokens, or None when it can. Only the Pallas kernel has
+    limits: it masks keys by length only, and Triton loads tiles whose sizes are powers of two."""
+    if backend != "pallas-gpu":
+        return None
+    if sliding_window:
+        return (f"JAX's Pallas paged-attention kernel masks keys by length only, so it cannot "
+                f"apply a sliding window, and this model has a sliding window of "
+                f"{sliding_window} tokens (sliding_window={sliding_window})")
+    if not _power_of_two(head_dim):
+        return (f"its Triton tiles need a head_dim that is a power of two, and this model's "
+                f"head_dim is {head_dim}")
+    if not _power_of_two(page_size):
+        return f"its Triton tiles need a page_size that is a power of two, got {page_size}"
+    return None
+
+
+def choose_backend(attention: str, *, platform: str, sliding_window: int, head_dim: int,
+                   page_size: int) -> str:
+    """The attention backend a runner runs: the one decision, taken for every runner.
+
+    `attention` is the option: "auto" or a name in `ATTENTION_BACKENDS`. On `platform` "gpu",
+    "auto" is `pallas-gpu` when that kernel can run the model (`backend_limit`), else `jnp`;
+    elsewhere ("cpu", "tpu") it is `jnp`. A named backend that cannot run the model is refused,
+    on every platform, with a ValueError naming the option, the reason and the fix.
+    """
+    if attention == "auto":
+        fast = "pallas-gpu"
+        if platform == "gpu" and backend_limit(fast, sliding_window=sliding_window,
+                                               head_dim=head_dim, page_size=page_size) is None:
+            return fast
+        return "jnp"
+    if attention not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention must be 'auto' or one of {tuple(ATTENTION_BACKENDS)}, got "
+                         f"{attention!r}")
+    why = backend_limit(attention, sliding_window=sliding_window, head_dim=head_dim,
+                        page_size=page_size)
+    if why is not None:
+        raise ValueError(f"attention={attention!r} cannot run this model: {why}; use "
+                         f"attention='jnp' (or 'auto')")
+    return attention
 
 
 @jax.tree_util.register_dataclass

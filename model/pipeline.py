@@ -82,11 +82,12 @@ class PipelineRunner:
 
     `model` is padded already (heads for `model`, layers for `stage`) with its layers stacked;
     `config` gives the cache geometry (per replica), the sampler's limits and the attention
-    backend; `shape` the units.
+    backend, settled for the model and `platform` (default: JAX's default platform) by the same
+    `RunnerConfig.backend` as `ModelRunner`'s; `shape` the units.
     """
 
     def __init__(self, model: nnx.Module, config: RunnerConfig, layout: DeviceLayout,
-                 shape: UnitShape):
+                 shape: UnitShape, *, platform: str | None = None):
         self.model_config = model.config
         self.config, self.layout, self.shape = config, layout, shape
         self.num_replicas = layout.num_replicas
@@ -95,7 +96,7 @@ class PipelineRunner:
         assert model.config.num_layers % self.num_stages == 0, "pad the layers first"
         assert shape.max_pages <= config.page_table_width and shape.page_size == config.page_size
         self.last_wait_seconds = 0.0
-        self.attention = config.backend()
+        self.attention = config.backend(model.config, platform=platform)
         graphdef, params = nnx.split(model)
         self.graphdef, self.params = graphdef, jax.device_put(params, layout.params)
         c = model.config

@@ -54,8 +54,9 @@ from meshserve.batching.plan import StepPlan, SubBatchPlan
 from meshserve.batching.runner import SampledRows
 from meshserve.batching.sampling import SamplingArrays, concat_sampling, greedy_sampling
 from meshserve.batching.structured import mask_words
-from meshserve.model.attention import (ATTENTION_BACKENDS, KVCache, RaggedBatch, check_backend,
-                                       default_backend, init_kv_cache)
+from meshserve.model.attention import (ATTENTION_BACKENDS, KVCache, RaggedBatch, choose_backend,
+                                       init_kv_cache)
+from meshserve.model.config import ModelConfig
 from meshserve.model.sampler import host_sampling
 from meshserve.model.steps import ragged_step
 
@@ -81,7 +82,8 @@ class RunnerConfig:
     max_logprobs: int = knob(20, "top logprobs computed every step", compile=True)
     max_stop_ids: int = 16  # EOS and stop token ids masked per row under min_tokens
     attention: str = knob("auto", "attention backend: auto picks by platform (jnp on CPU, "
-                                  "pallas-gpu on NVIDIA GPUs); jnp is the portable reference",
+                                  "pallas-gpu on NVIDIA GPUs unless the model has a sliding "
+                                  "window); jnp is the portable reference",
                           compile=True, choices=ATTENTION_CHOICES)
     context_block_pages: int = 8  # pages of cached context attention reads per loop iteration
 
@@ -129,13 +131,15 @@ class RunnerConfig:
         """Sequence slots of a step with `num_tokens` token slots: every sequence has a token."""
         return min(num_tokens, self.max_num_seqs)
 
-    def backend(self, *, sliding_window: int = 0) -> str:
-        """The attention backend, with "auto" settled against the default JAX platform and the
-        model's sliding window (0: none); a backend that cannot keep to the window is refused."""
-        if self.attention == "auto":
-            return default_backend(jax.default_backend(), sliding_window=sliding_window)
-        check_backend(self.attention, sliding_window=sliding_window)
-        return self.attention
+    def backend(self, model: ModelConfig, *, platform: str | None = None) -> str:
+        """The attention backend for `model` on `platform` (default: JAX's default platform):
+        `choose_backend` given the option, the model's sliding window (0 when no layer
+        slides), its head_dim and this page size. Raises ValueError, naming the option, for a
+        named backend that cannot run the model; "auto" never picks one."""
+        return choose_backend(
+            self.attention, platform=platform or jax.default_backend(),
+            sliding_window=model.sliding_window if any(model.sliding_layers) else 0,
+            head_dim=model.head_dim, page_size=self.page_size)
 
     def step_keys(self) -> list[tuple[int, int]]:
         """Every compiled call's key `(token slots per replica, has targets)`."""
@@ -182,10 +186,12 @@ class ModelRunner:
     replica."""
 
     def __init__(self, model: nnx.Module, config: RunnerConfig = RunnerConfig(),
-                 layout: DeviceLayout | None = None):
+                 layout: DeviceLayout | None = None, *, platform: str | None = None):
+        """`platform` is the one `config.backend` settles the attention backend for (default:
+        JAX's default platform)."""
         self.model_config = model.config
         self.config = config
-        self.attention = config.backend(sliding_window=model.config.sliding_window)
+        self.attention = config.backend(model.config, platform=platform)
         self.layout = layout
         # Seconds the last `execute` waited for the device, after every call was dispatched:
         # the rest of its time is host work (flattening, transfers, dispatch).

@@ -93,6 +93,8 @@ class Engine:
         engine with the same model, mesh and runner config.
         """
         settled = config.for_model(model.config)
+        # An attention backend the model cannot run is refused before any weight moves.
+        settled.runner_config().backend(model.config)
         model = for_context(model, settled.max_model_len)  # LongRoPE's factors
         model = quantize_model(model, settled.quantization)  # kernels loaded quantized stay
         if runner is None:

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 from meshserve.model.attention import (ATTENTION_BACKENDS, DEFAULT_SPEC, AttentionSpec,
-                                       RaggedBatch, default_backend, dense_attention,
+                                       RaggedBatch, choose_backend, dense_attention,
                                        ragged_attention_pallas_gpu, ragged_meta, window_mask,
                                        write_kv)
+from meshserve.model.config import ModelConfig
 from meshserve.model.runner import RunnerConfig
 
 PAGE_SIZE, HEADS, KV_HEADS, HEAD_DIM, BLOCK_PAGES, MAX_PAGES = 4, 6, 2, 16, 2, 16
@@ -152,9 +153,44 @@ def test_pallas_gpu_backend_soft_caps_scores():
     np.testing.assert_allclose(got[:num_real], want, atol=tolerance, rtol=tolerance)
 
 
-def test_pallas_gpu_backend_is_refused_for_a_sliding_window_by_name():
-    with pytest.raises(ValueError, match="'pallas-gpu' cannot apply a sliding window.*'jnp'"):
-        RunnerConfig(attention="pallas-gpu").backend(sliding_window=8)
-    assert RunnerConfig(attention="pallas-gpu").backend() == "pallas-gpu"
-    assert default_backend("gpu", sliding_window=8) == "jnp"  # what "auto" picks
-    assert default_backend("gpu") == "pallas-gpu"
+def test_pallas_gpu_kernel_raises_rather_than_ignore_a_window():
+    """Not an assert, which `python -O` strips: a window reaching the kernel is an error."""
+    with pytest.raises(ValueError, match="cannot apply a sliding window"):
+        _run(functools.partial(ragged_attention_pallas_gpu, interpret=True), SLIDING)
+
+
+def test_pallas_gpu_backend_is_refused_for_what_it_cannot_run_by_name_on_every_platform():
+    """A window (the kernel masks by length only) and tiles that are not powers of two."""
+    fits = dict(sliding_window=0, head_dim=64, page_size=16)
+    for platform in ("cpu", "gpu"):
+        assert choose_backend("pallas-gpu", platform=platform, **fits) == "pallas-gpu"
+        for change, named in [(dict(sliding_window=8), "sliding window of 8 tokens"),
+                              (dict(head_dim=96), "head_dim is 96"),
+                              (dict(page_size=24), "page_size .* got 24")]:
+            with pytest.raises(ValueError, match=f"attention='pallas-gpu' cannot run this "
+                                                 f"model: .*{named}.*use attention='jnp'"):
+                choose_backend("pallas-gpu", platform=platform, **fits | change)
+    assert choose_backend("jnp", platform="gpu", **fits | dict(sliding_window=8)) == "jnp"
+
+
+def test_auto_picks_the_gpu_kernel_only_on_a_gpu_and_only_where_it_can_run():
+    fits = dict(sliding_window=0, head_dim=64, page_size=16)
+    assert choose_backend("auto", platform="gpu", **fits) == "pallas-gpu"
+    for platform in ("cpu", "tpu"):
+        assert choose_backend("auto", platform=platform, **fits) == "jnp"
+    for change in (dict(sliding_window=8), dict(head_dim=80), dict(page_size=12)):
+        assert choose_backend("auto", platform="gpu", **fits | change) == "jnp"
+
+
+def test_the_runner_config_settles_the_backend_for_the_models_window():
+    """`RunnerConfig.backend` hands `choose_backend` the model's window, and none when no layer
+    slides (a window the layer types leave unused)."""
+    llama = ModelConfig.preset("tiny-llama")
+    windowed = llama.replace(sliding_window=8)
+    unused = llama.replace(sliding_window=8, layer_types=("full", "full"))
+    assert RunnerConfig().backend(llama, platform="gpu") == "pallas-gpu"
+    assert RunnerConfig().backend(windowed, platform="gpu") == "jnp"
+    assert RunnerConfig().backend(unused, platform="gpu") == "pallas-gpu"
+    assert RunnerConfig().backend(windowed, platform="cpu") == "jnp"
+    with pytest.raises(ValueError, match="attention='pallas-gpu'.*sliding_window=8"):
+        RunnerConfig(attention="pallas-gpu").backend(windowed, platform="cpu")

@@ -16,9 +16,12 @@ import pytest
 
 from meshserve.batching.sampling import SamplingParams
 from meshserve.model.loaders import load_hf
+from meshserve.model.pipeline import PipelineRunner
+from meshserve.model.runner import ModelRunner
 from meshserve.model.transformer import model_from_params
 from meshserve.serving.config import EngineConfig
 from meshserve.serving.engine import Engine
+from meshserve.sharding.layout import prepare
 
 # A 4-token budget: three compiled programs (1, 2 and 4 token slots) serve every step.
 ENGINE = dict(num_pages=128, page_size=2, max_num_seqs=4, max_num_batched_tokens=4,
@@ -99,3 +102,40 @@ def test_pipeline_stages_keep_each_layers_window_and_give_hfs_tokens(name, golde
     for case, output in zip(golden["cases"], _run(engine, golden["cases"],
                                                   golden["num_new_tokens"])):
         _assert_matches_hf(case, output)
+
+
+def _runner(model, mesh: str | None, attention: str, platform: str):
+    """The runner `Engine.from_model` builds on `mesh`, its backend settled for `platform`."""
+    settled = EngineConfig(mesh=mesh, attention=attention, **ENGINE).for_model(model.config)
+    prepared = prepare(model, settled.mesh_config)
+    if settled.mesh_config.stage > 1:
+        return PipelineRunner(prepared.model, settled.runner_config(), prepared.layout,
+                              settled.unit_shape(), platform=platform)
+    return ModelRunner(prepared.model, settled.runner_config(), prepared.layout,
+                       platform=platform)
+
+
+@pytest.mark.parametrize("mesh", [None, "stage=2"])
+def test_auto_attention_on_a_gpu_keeps_a_windowed_model_on_the_portable_backend(mesh, golden_dir):
+    """One device's runner and the pipeline's settle "auto" alike: on a GPU, the Pallas kernel
+    for a model without a window (Qwen3), `jnp` for Gemma 2's window, which the kernel cannot
+    keep to. Only the choice is made here: a CPU cannot run the GPU kernel."""
+    models = {name: model_from_params(*load_hf(golden_dir / name))
+              for name in ("tiny-qwen3", "tiny-gemma2")}
+    assert models["tiny-gemma2"].config.sliding_window == 8
+    assert _runner(models["tiny-qwen3"], mesh, "auto", "gpu").attention == "pallas-gpu"
+    assert _runner(models["tiny-gemma2"], mesh, "auto", "gpu").attention == "jnp"
+    assert _runner(models["tiny-gemma2"], mesh, "auto", "cpu").attention == "jnp"
+    with pytest.raises(ValueError, match="attention='pallas-gpu'.*sliding_window=8"):
+        _runner(models["tiny-gemma2"], mesh, "pallas-gpu", "gpu")
+
+
+@pytest.mark.parametrize("mesh", [None, "stage=2"])
+def test_an_explicit_gpu_kernel_is_refused_for_a_windowed_model_when_the_engine_is_built(
+        mesh, golden_dir):
+    model = model_from_params(*load_hf(golden_dir / "tiny-gemma2"))
+    config = EngineConfig(mesh=mesh, attention="pallas-gpu", **ENGINE)  # a valid option alone
+    with pytest.raises(ValueError, match=r"attention='pallas-gpu' cannot run this model: .*"
+                                         r"sliding window of 8 tokens \(sliding_window=8\).*"
+                                         r"use attention='jnp'"):
+        Engine.from_model(model, None, config)
