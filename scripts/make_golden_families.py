@@ -31,7 +31,12 @@ for Qwen3, Gemma 2 and Phi-3, transformers 5's (``rope_parameters`` per layer ty
 ``layer_types``) for Gemma 3; HF must reload each folder to identical logits.
 
 Weights: matrices N(0, 0.2^2); norm weights 1 + N(0, 0.1^2), or N(0, 0.1^2) for Gemma, whose
-norms scale by (1 + w). Runs are deterministic.
+norms scale by (1 + w). Gemma's tied embedding enters the residual stream scaled by sqrt(hidden),
+and a stream that its input embedding leads predicts that token again: greedy decoding would
+repeat one token, and the token check would add nothing. So Gemma's embedding is N(0, 0.1^2),
+its post-attention and post-MLP norms scale by 4 (w = 3 + N(0, 0.1^2)) and its final norm by 2
+(w = 1 + N(0, 0.1^2)): the layers lead the stream and the logits keep top-2 margins over 0.01,
+and each greedy continuation takes five or more distinct tokens. Runs are deterministic.
 """
 
 from __future__ import annotations
@@ -92,17 +97,35 @@ def _legacy_rope(*, drop: tuple[str, ...] = (), **keys):
     return rewrite
 
 
+# Gemma's (see the docstring): the embedding's scale, and the mean of w in the norms that scale
+# by (1 + w) and are not 0.
+GEMMA_EMBED_STD = 0.1
+GEMMA_NORM_MEANS = {"post_attention_layernorm": 3.0, "post_feedforward_layernorm": 3.0,
+                    "model.norm": 1.0}
+
+
 @torch.no_grad()
 def reinit(model, seed: int, *, gemma: bool) -> None:
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():  # tied parameters appear once
         if p.ndim >= 2:
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+            std = GEMMA_EMBED_STD if gemma and name.endswith("embed_tokens.weight") else 0.2
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
         elif name.endswith("norm.weight"):
-            p.copy_((0.0 if gemma else 1.0) + torch.randn(p.shape, generator=gen) * 0.1)
+            p.copy_(_norm_mean(name, gemma) + torch.randn(p.shape, generator=gen) * 0.1)
         else:
             raise ValueError(f"unexpected parameter {name} {tuple(p.shape)}")
         p.copy_(p.half().float())  # the saved float16 weights are the reference's weights
+
+
+def _norm_mean(name: str, gemma: bool) -> float:
+    """The mean of a norm weight: 1 for the (w) norms, Gemma's from GEMMA_NORM_MEANS (0 for the
+    rest) for its (1 + w) norms."""
+    if not gemma:
+        return 1.0
+    norm = name.removesuffix(".weight")
+    return next((mean for key, mean in GEMMA_NORM_MEANS.items()
+                 if norm == key or norm.endswith("." + key)), 0.0)
 
 
 @torch.no_grad()
@@ -118,6 +141,7 @@ def greedy_cases(model, lengths, vocab: int, seed: int) -> list[dict]:
         toks, lps, margins = greedy(model, prompt, NUM_NEW_TOKENS)
         worst = check_against_full_forward(model, prompt, toks, lps, margins)
         assert worst < 1e-4, worst
+        assert len(set(toks)) > 1, f"greedy repeats token {toks[0]}: its check would add nothing"
         cases.append({"prompt_ids": prompt, "greedy_ids": toks,
                       "greedy_logprobs": [r6(x) for x in lps],
                       "top2_margin": [r6(x) for x in margins]})
