@@ -10,16 +10,24 @@ advance of the matcher by the token. It also reports whether importing the libra
 `--tokenizer` is a HF `tokenizer.json`; without it the script builds SmolLM2's from meshserve.
 The libraries may live in another environment than meshserve's (xgrammar needs torch):
 write the tokenizer once with `--write-tokenizer PATH` and pass it there.
+
+With `--output`, the JSON also names the command, the machine and the commit of the source it ran
+from (`meshserve.serving.bench.result_files`, loaded from this checkout where meshserve is not
+installed): a tree with uncommitted changes is refused unless `--allow-dirty`, and so is a file
+that exists (a result is never overwritten).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
+import shlex
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -129,13 +137,36 @@ def run_xgrammar(tokenizer_json: str, vocab: int, eos: list[int], cases) -> dict
     return out
 
 
+def result_files():
+    """meshserve's result-file module: from the installed package, or in an environment
+    without meshserve from this checkout's `serving/bench/result_files.py` (standard library
+    only), so that one module stamps every result."""
+    try:
+        from meshserve.serving.bench import result_files as module
+    except ImportError:
+        path = Path(__file__).resolve().parents[1] / "serving" / "bench" / "result_files.py"
+        spec = importlib.util.spec_from_file_location("meshserve_result_files", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up while defining
+        spec.loader.exec_module(module)
+    return module
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokenizer", help="a HF tokenizer.json (default: SmolLM2's)")
     parser.add_argument("--vocab-size", type=int, default=49152)
     parser.add_argument("--eos", type=int, nargs="*", default=[2])
     parser.add_argument("--write-tokenizer", help="write SmolLM2's tokenizer.json here and exit")
+    parser.add_argument("--output", help="also write the JSON to this new file; {date} and "
+                                         "{commit} in the name are filled in")
+    files = result_files()
+    files.add_allow_dirty_argument(parser)
     args = parser.parse_args()
+    try:
+        source, output = files.prepare_output(args.output, allow_dirty=args.allow_dirty)
+    except ValueError as err:
+        parser.error(str(err))
     if args.write_tokenizer:
         text, _, _ = smollm2_tokenizer_json()
         open(args.write_tokenizer, "w").write(text)
@@ -160,6 +191,11 @@ def main() -> None:
         except ImportError as error:
             results[library] = {"skipped": f"not installed ({error})"}
     print(json.dumps(results, indent=2))
+    if output is not None:
+        command = shlex.join(["scripts/compare_grammar_libraries.py", *sys.argv[1:]])
+        files.write_json(output, {"command": command,
+                                  "environment": files.host_environment(source)} | results)
+        print(f"wrote {output}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,10 @@
     .venv/bin/python scripts/profile_step.py --workload chat-mix --num-requests 64 \
         --quantization int4 --output benchmarks/results/profile-chat-mix-int4-cpu.json
 
+With `--output`, the JSON also names the command, the machine and the commit of the source it ran
+from (`meshserve.serving.bench.result_files`): a tree with uncommitted changes is refused unless
+`--allow-dirty`, and so is a file that exists (a result is never overwritten).
+
 With `--lm-head`, only the tied LM head of the model's embedding is timed at each `--batch`:
 float32 against the embedding's int8 codes in groups of 32 (as GGUF's Q8_0 stores it),
 dequantized whole or 2,048 vocabulary rows at a time inside a `lax.map` (CPU time, minimum over
@@ -42,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 import time
 from pathlib import Path
@@ -58,7 +61,7 @@ from meshserve.model.quant import weight_bytes
 from meshserve.model.quantization import SCHEMES
 from meshserve.model.runner import ModelRunner, RunnerConfig
 from meshserve.model.sampler import Sampled
-from meshserve.serving.bench import bench
+from meshserve.serving.bench import bench, result_files
 from meshserve.serving.config import EngineConfig
 from meshserve.serving.engine import Engine
 
@@ -280,7 +283,9 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--quantization", default="none", choices=SCHEMES)
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--output", type=Path, default=None, help="also write JSON here")
+    parser.add_argument("--output", type=Path, default=None,
+                        help="also write JSON to this new file, stamped with the source's "
+                             "commit; {date} and {commit} in the name are filled in")
     parser.add_argument("--lm-head", action="store_true",
                         help="time the tied LM head in float32 and int8 at each --batch")
     parser.add_argument("--workload", default=None, help="profile a whole run of this workload")
@@ -295,7 +300,13 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--prefill-chunk", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=768)
+    result_files.add_allow_dirty_argument(parser)
     args = parser.parse_args()
+    try:
+        args.source, args.output = result_files.prepare_output(args.output,
+                                                               allow_dirty=args.allow_dirty)
+    except ValueError as err:
+        parser.error(str(err))
     model = load_pretrained(args.model, quantization=args.quantization).model
     if args.lm_head:
         times = lm_head_times(model, args.batch, args.repeats)
@@ -331,11 +342,13 @@ def main() -> None:
 
 
 def _write(args, model, payload: dict) -> None:
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({
+    """The JSON result, stamped with the source's provenance, to the new file `args.output`."""
+    result_files.write_json(args.output, {
         "command": " ".join(["scripts/profile_step.py", *sys.argv[1:]]),
         "model": args.model, "quantization": args.quantization,
-        "weight_bytes": weight_bytes(model), "jax": jax.__version__, **payload}, indent=2) + "\n")
+        "weight_bytes": weight_bytes(model), "environment": bench.environment(args.source),
+        **payload})
+    print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":

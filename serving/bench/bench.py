@@ -30,13 +30,10 @@ the SLOs (`find_max_rate`), and peers (`run_peers`, through `meshserve.serving.b
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
-import platform
 import subprocess
 import time
 from pathlib import Path
@@ -53,7 +50,7 @@ from meshserve.batching.scheduler import KVUsage
 from meshserve.model.config import kv_bytes_per_token
 from meshserve.model.quant import weight_bytes
 from meshserve.model.runner import ModelRunner, RunnerConfig
-from meshserve.serving.bench import latency, loadgen, roofline
+from meshserve.serving.bench import latency, loadgen, result_files, roofline
 from meshserve.serving.config import EngineConfig
 from meshserve.serving.engine import Engine
 from meshserve.serving.server import GenerationServer, ServerConfig
@@ -538,11 +535,9 @@ def _ttft_median(result: dict[str, Any]) -> float | None:
     return (result.get("ttft_s") or {}).get("median")
 
 
-def environment(source: Provenance) -> dict[str, Any]:
-    """The machine, the software and the source (`provenance`) a result came from."""
-    return {
-        "machine": platform.machine(), "processor": platform.processor() or platform.machine(),
-        "cpu_count": _cpu_count(), "python": platform.python_version(),
+def environment(source: result_files.Provenance) -> dict[str, Any]:
+    """The machine, the software and the source (`result_files.Provenance`) a result came from."""
+    return result_files.machine() | {
         "jax": jax.__version__, "devices": [str(d) for d in jax.devices()],
         "device_kind": jax.devices()[0].device_kind,
     } | source.as_dict()
@@ -550,92 +545,3 @@ def environment(source: Provenance) -> dict[str, Any]:
 
 def _cpu_count() -> int:
     return len(os.sched_getaffinity(0))
-
-
-# -- Provenance: the commit a result is stamped with, and whether the tree matched it -----------
-
-SOURCE_DIR = Path(__file__).resolve().parent  # git finds the checkout from here
-# What a run writes (its JSON and plots) and prose cannot change what a run computes, so they
-# may differ from the commit; anything else that differs makes the tree dirty. Workload and
-# predictor inputs in benchmarks/results (.jsonl, .npz) do count.
-NOT_SOURCE = (":(exclude)benchmarks/results/*.json", ":(exclude)benchmarks/results/*.png",
-              ":(exclude)*.md")
-
-
-@dataclasses.dataclass(frozen=True)
-class Provenance:
-    """The source a result came from: its commit, and the paths where the tree differed from it
-    (tracked changes against HEAD, and untracked files) with the SHA-256 of that difference."""
-
-    git_commit: str | None  # None: not run from a git checkout
-    dirty_paths: tuple[str, ...] = ()
-    diff_sha256: str | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        stamp: dict[str, Any] = {"git_commit": self.git_commit,
-                                 "git_dirty": None if self.git_commit is None
-                                 else bool(self.dirty_paths)}
-        if self.dirty_paths:
-            stamp |= {"git_dirty_paths": list(self.dirty_paths),
-                      "git_diff_sha256": self.diff_sha256}
-        return stamp
-
-
-def add_allow_dirty_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--allow-dirty", action="store_true",
-                        help="write --output even though the source tree has uncommitted "
-                             "changes; the JSON then says git_dirty, with the changed paths and "
-                             "the SHA-256 of the diff")
-
-
-def provenance(*, allow_dirty: bool) -> Provenance:
-    """The source of a result about to be run; refuses (ValueError) a tree with uncommitted
-    changes unless `allow_dirty`, since the commit alone would then not say what ran. Called
-    before a run, so a refusal costs nothing."""
-    source = source_tree(SOURCE_DIR)
-    if source.dirty_paths and not allow_dirty:
-        shown = ", ".join(source.dirty_paths[:5]) + (", ..." if len(source.dirty_paths) > 5
-                                                      else "")
-        raise ValueError(
-            f"the source tree has uncommitted changes ({shown}), so commit "
-            f"{source.git_commit[:12]} alone would not say what produced this result; commit "
-            f"them first, or pass --allow-dirty to record the result as dirty with a hash of "
-            f"the diff")
-    return source
-
-
-def source_tree(directory: Path) -> Provenance:
-    """The commit checked out around `directory` and how the tree differs from it. The hash
-    covers `git diff --binary HEAD` over the source paths, then each untracked file's path and
-    bytes in path order."""
-    top = _git(directory, "rev-parse", "--show-toplevel")
-    head = None if top is None else _git(Path(top.decode().strip()), "rev-parse", "HEAD")
-    if head is None:
-        return Provenance(None)
-    root = Path(top.decode().strip())
-    changed = _git(root, "diff", "--name-only", "-z", "HEAD", "--", ".", *NOT_SOURCE) or b""
-    untracked = _git(root, "ls-files", "--others", "--exclude-standard", "-z", "--", ".",
-                     *NOT_SOURCE) or b""
-    new_files = sorted(p.decode() for p in untracked.split(b"\0") if p)
-    paths = sorted({p.decode() for p in changed.split(b"\0") if p} | set(new_files))
-    if not paths:
-        return Provenance(head.decode().strip())
-    digest = hashlib.sha256(_git(root, "diff", "--binary", "HEAD", "--", ".", *NOT_SOURCE))
-    for path in new_files:
-        digest.update(path.encode() + b"\0" + (root / path).read_bytes())
-    return Provenance(head.decode().strip(), tuple(paths), digest.hexdigest())
-
-
-def _git(directory: Path, *args: str) -> bytes | None:
-    """git's output, or None where git is missing or fails (not a checkout)."""
-    try:
-        result = subprocess.run(["git", "-C", str(directory), *args], capture_output=True,
-                                check=False)
-    except FileNotFoundError:
-        return None
-    return result.stdout if result.returncode == 0 else None
-
-
-def write_results(path: Path, payload: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2) + "\n")

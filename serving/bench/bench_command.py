@@ -14,7 +14,7 @@ from meshserve.batching.config import ORDERINGS
 from meshserve.model.hub import resolve_model
 from meshserve.model.quant import weight_bytes
 from meshserve.serving import options
-from meshserve.serving.bench import bench, latency
+from meshserve.serving.bench import bench, latency, result_files
 from meshserve.serving.llm import LLM
 
 HELP = "continuous vs static batching, side by side"
@@ -34,7 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, default=None,
                         help="requests of a generated workload (default: 64; --quick: 16)")
     parser.add_argument("--seed", type=int, default=0, help="workload and arrivals seed")
-    parser.add_argument("--output", type=Path, help="write the results JSON (and plots) here")
+    parser.add_argument("--output", type=Path,
+                        help="write the results JSON (and plots) to this new file; {date} and "
+                             "{commit} in the name are filled in; a file that exists is refused")
     parser.add_argument("--plots-dir", type=Path, default=None,
                         help="where the PNG plots go (default: next to --output)")
     parser.add_argument("--mode", default="offline", choices=("offline", "online"),
@@ -84,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="instead of the policies: JSON for each schema of a set (default: "
                              "the 54 shipped) at temperature 0 and 0.8, each output validated "
                              "with jsonschema")
-    bench.add_allow_dirty_argument(parser)
+    result_files.add_allow_dirty_argument(parser)
     options.add_model_args(parser)
 
 
@@ -101,13 +103,20 @@ QUICK_MAX_PROMPT, QUICK_MAX_OUTPUT, QUICK_MAX_MODEL_LEN = 128, 32, 256
 
 def run(args: argparse.Namespace) -> None:
     _check_bench_args(args)
-    source = bench.provenance(allow_dirty=args.allow_dirty) if args.output else None
+    source, output = result_files.prepare_output(args.output, allow_dirty=args.allow_dirty)
+    structured = args.structured or args.schema_validity is not None
+    plots_to = None if structured else _plots_to(args, output)
+    if plots_to is not None:
+        from meshserve.serving.bench import plots  # matplotlib: only when plotting
+
+        result_files.refuse_existing(result_files.plot_paths(*plots_to, plots.NAMES),
+                                     flag="--plots-dir" if args.plots_dir else "--output")
     if args.policy in ORDERINGS:  # both batching policies always run: --policy picks the ordering
         args.ordering, args.policy = args.policy, "continuous"
     if args.quick and args.max_model_len is None:
         args.max_model_len = QUICK_MAX_MODEL_LEN
-    if args.structured or args.schema_validity is not None:
-        return _run_structured(args, source)
+    if structured:
+        return _run_structured(args, source, output)
     llm = options.load_llm(args, needs_tokenizer=False, warmup=False)
     requests = _bench_requests(args, llm)
     if args.stop_at_eos:
@@ -161,25 +170,32 @@ def run(args: argparse.Namespace) -> None:
             continuous=results["continuous"], engine_config=llm.engine.config,
             arrivals={k: v for k, v in online.items() if k != "frontend"})
     _print_bench(results, payload.get("roofline"), online=args.mode == "online")
-    if args.output or args.plots_dir:
-        from meshserve.serving.bench import plots  # matplotlib: only when plotting
-
-        directory = args.plots_dir or args.output.parent
-        stem = args.output.stem if args.output else "bench"
+    if plots_to is not None:
+        directory, stem = plots_to
         payload["plots"] = plots.write_plots(results, directory, stem) | {
             "directory": str(directory)}
-    if args.output:
+    if output:
         command = "meshserve " + " ".join(args.argv)
-        bench.write_results(args.output, {
+        result_files.write_json(output, {
             "schema_version": 1, "command": command, "model": llm.model_config.name,
             "workload": args.workload, "num_requests": len(requests), "seed": args.seed,
             "mode": args.mode, "quick": args.quick,
             "arrivals": {k: v for k, v in online.items() if k != "slos"} or None,
             "engine_config": dataclasses.asdict(llm.engine.config),
             "environment": bench.environment(source), "results": results} | payload)
+        print(f"wrote {output}")
 
 
-def _run_structured(args: argparse.Namespace, source: bench.Provenance | None) -> None:
+def _plots_to(args: argparse.Namespace, output: Path | None) -> tuple[Path, str] | None:
+    """The folder and file-name stem of the plots: beside the JSON and named after it, or in
+    `--plots-dir` (named `bench-*` without `--output`); None: no plots."""
+    if output is None and args.plots_dir is None:
+        return None
+    return (args.plots_dir or output.parent, output.stem if output else "bench")
+
+
+def _run_structured(args: argparse.Namespace, source: result_files.Provenance | None,
+                    output: Path | None) -> None:
     """`--structured` or `--schema-validity`: structured output's cost, or its validity."""
     from meshserve.serving.bench import structured
 
@@ -203,13 +219,14 @@ def _run_structured(args: argparse.Namespace, source: bench.Provenance | None) -
         print(f"constrained / unconstrained: {results['ratio_output_tokens_per_s']:.3f}; "
               f"matchers: {results['matcher_ms_per_step']:.2f} ms per step, "
               f"{results['matcher_us_per_token']:.0f} us per constrained token")
-    if args.output:
-        bench.write_results(args.output, {
+    if output:
+        result_files.write_json(output, {
             "schema_version": 1, "command": "meshserve " + " ".join(args.argv),
             "model": llm.model_config.name, "workload": args.workload, "seed": args.seed,
             "engine_config": dataclasses.asdict(llm.engine.config),
             "environment": bench.environment(source),
             "structured" if args.structured else "schema_validity": results})
+        print(f"wrote {output}")
 
 
 def _check_bench_args(args: argparse.Namespace) -> None:

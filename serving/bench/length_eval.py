@@ -41,6 +41,11 @@ and the predictor and held-out prompts of the serving comparison in docs/benchma
         --workload jsonl:benchmarks/results/length-smollm2-dataset.jsonl \
         --save-predictor benchmarks/results/length-predictor-smollm2.npz \
         --save-test benchmarks/results/length-smollm2-test-workload.jsonl
+
+Every file this writes is a new one (`meshserve.serving.bench.result_files`): those paths exist
+now, so a rerun names new files (`{date}` and `{commit}` in a name are filled in). `--out` is
+stamped with the source's commit, and refused from a tree with uncommitted changes unless
+`--allow-dirty`.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ from meshserve.batching.length import (FeatureConfig, LengthFeatures, LengthPred
                                        extract_features)
 from meshserve.batching.sampling import SamplingParams
 from meshserve.model.length_predictor import LearnedPredictor, PredictorConfig
+from meshserve.serving.bench import result_files
 
 PLANTED_MEDIANS = (6, 12, 24, 48, 96, 192)  # each task's median output length at 48 prompt tokens
 PLANTED_MAX_TOKENS = (128, 256, 512)
@@ -287,14 +293,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--num-requests", type=int, default=2000,
                         help="requests for planted, prompts for smollm2")
     parser.add_argument("--dataset", default="benchmarks/results/length-smollm2-dataset.jsonl",
-                        help="where the smollm2 workload writes its samples")
+                        help="the new file the smollm2 workload writes its samples to")
     parser.add_argument("--train-fraction", type=float, default=0.7)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", help="write the results as JSON here")
-    parser.add_argument("--save-predictor", help="write the learned predictor (.npz) here; "
-                        "needs a single --workload")
-    parser.add_argument("--save-test", help="write the test part's prompts here, as a bench "
-                        "workload (JSONL); needs a single --workload")
+    parser.add_argument("--out", help="write the results as JSON to this new file")
+    parser.add_argument("--save-predictor", help="write the learned predictor (.npz) to this "
+                        "new file; needs a single --workload")
+    parser.add_argument("--save-test", help="write the test part's prompts to this new file, as "
+                        "a bench workload (JSONL); needs a single --workload")
+    result_files.add_allow_dirty_argument(parser)
     args = parser.parse_args(argv)
     if (args.save_predictor or args.save_test) and len(args.workload or ["planted"]) != 1:
         parser.error("--save-predictor and --save-test need a single --workload")
@@ -302,6 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = ["python", "-m", "meshserve.serving.bench.length_eval", *argv]
     results = {"command": shlex.join(command), "results": {}}
     try:
+        source, out = _prepare_outputs(args)
         for name in args.workload or ["planted"]:
             result = run_eval(load_workload(name, args), train_fraction=args.train_fraction,
                               seed=args.seed, save_predictor=args.save_predictor,
@@ -311,10 +319,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         print(f"length_eval: error: {error}", file=sys.stderr)
         return 2
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    if out is not None:
+        result_files.write_json(out, {"command": results["command"],
+                                      "environment": result_files.host_environment(source),
+                                      "results": results["results"]})
+        print(f"wrote {out}")
     return 0
+
+
+def _prepare_outputs(args: argparse.Namespace) -> tuple[result_files.Provenance | None,
+                                                         Path | None]:
+    """Before anything runs: the source the results JSON (`--out`) is stamped with and its new
+    file, and each file this run writes (`--dataset` for the smollm2 workload, `--save-predictor`,
+    `--save-test`) resolved in `args`; `{date}` and `{commit}` are filled in, and a path that
+    exists or a dirty tree without `--allow-dirty` raises ValueError naming the flag."""
+    source, out = result_files.prepare_output(args.out, allow_dirty=args.allow_dirty,
+                                              flag="--out")
+    writes = [("save_predictor", "--save-predictor"), ("save_test", "--save-test")]
+    if "smollm2" in (args.workload or []):
+        writes.append(("dataset", "--dataset"))
+    writes = [(attr, flag) for attr, flag in writes if getattr(args, attr) is not None]
+    tree = source or (result_files.source_tree(result_files.SOURCE_DIR) if writes else None)
+    for attr, flag in writes:
+        path = result_files.output_path(getattr(args, attr), tree, flag=flag)
+        result_files.refuse_existing([path], flag=flag)
+        setattr(args, attr, str(path))
+    return source, out
 
 
 def format_result(name: str, result: dict) -> str:

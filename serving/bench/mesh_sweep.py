@@ -51,7 +51,7 @@ import numpy as np
 
 from meshserve.model.pretrained import Pretrained, load_pretrained
 from meshserve.serving import options
-from meshserve.serving.bench import bench, mesh_measure, roofline
+from meshserve.serving.bench import bench, mesh_measure, result_files, roofline
 from meshserve.serving.config import EngineConfig
 from meshserve.serving.engine import Engine
 from meshserve.sharding import planner
@@ -86,10 +86,12 @@ def add_arguments(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--repeats", type=int, default=5, help="runs of each timed step")
     sub.add_argument("--planner", action=argparse.BooleanOptionalAction, default=True,
                      help="measure this machine and compare the planner's ordering")
-    sub.add_argument("--output", type=Path, default=None, help="write the JSON (and charts) here")
+    sub.add_argument("--output", type=Path, default=None,
+                     help="write the JSON (and charts) to this new file; {date} and {commit} in "
+                          "the name are filled in; a file that exists is refused")
     sub.add_argument("--plots-dir", type=Path, default=None,
                      help="where the PNG charts go (default: next to --output)")
-    bench.add_allow_dirty_argument(sub)
+    result_files.add_allow_dirty_argument(sub)
     options.add_model_args(sub)
 
 
@@ -98,7 +100,15 @@ def run(args: argparse.Namespace) -> int:
     mesh). Bad input raises ValueError with what to change, before any loading."""
     config = options.dataclass_from_args(EngineConfig, args)
     meshes = _check_args(args)
-    source = bench.provenance(allow_dirty=args.allow_dirty) if args.output else None
+    source, output = result_files.prepare_output(args.output, allow_dirty=args.allow_dirty)
+    if output or args.plots_dir:
+        from meshserve.serving.bench import mesh_sweep_plots
+
+        directory = args.plots_dir or output.parent
+        stem = output.stem if output else "mesh-sweep"
+        result_files.refuse_existing(
+            result_files.plot_paths(directory, stem, mesh_sweep_plots.NAMES),
+            flag="--plots-dir" if args.plots_dir else "--output")
     pretrained = load_pretrained(args.model, dtype=args.dtype)
     config = dataclasses.replace(config.for_model(pretrained.config), mesh=None)
     requests = sweep_requests(args, pretrained, max_model_len=config.max_model_len)
@@ -113,15 +123,11 @@ def run(args: argparse.Namespace) -> int:
         comparison = compare_with_planner(pretrained.config, records, machine, workload,
                                           fill_bubbles=config.bubble_filling)
     print(format_table(records, comparison))
-    if args.output or args.plots_dir:
-        from meshserve.serving.bench import mesh_sweep_plots
-
-        directory = args.plots_dir or args.output.parent
-        stem = args.output.stem if args.output else "mesh-sweep"
+    if output or args.plots_dir:
         plots = mesh_sweep_plots.write_plots(records, directory, stem)
-    if args.output:
+    if output:
         command = "meshserve " + " ".join(args.argv)
-        bench.write_results(args.output, {
+        result_files.write_json(output, {
             "schema_version": 1, "command": command, "model": pretrained.config.name,
             "dtype": pretrained.config.dtype, "workload": args.workload,
             "num_requests": len(requests), "seed": args.seed, "concurrency": args.concurrency,
@@ -130,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
             "machine": None if machine is None else dataclasses.asdict(machine),
             "meshes": records, "comparison": comparison,
             "plots": plots | {"directory": str(directory)}})
-        print(f"wrote {args.output}")
+        print(f"wrote {output}")
     return 0
 
 

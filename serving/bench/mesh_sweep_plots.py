@@ -20,13 +20,12 @@ from meshserve.sharding.hlo import COLLECTIVES
 
 
 def write_plots(records: list[dict[str, Any]], directory: Path, stem: str) -> dict[str, Any]:
-    """Writes `<stem>-serving.png`, `-memory.png` and `-communication.png`; returns
+    """Writes `<stem>-serving.png`, `-memory.png` and `-communication.png` (`NAMES`); returns
     {"files": [...], "skipped": {chart: reason}}."""
     ran = [r for r in records if "error" not in r]
-    charts = (("serving", _serving), ("memory", _memory), ("communication", _communication))
     if not ran:
-        return {"files": [], "skipped": {name: "no mesh ran" for name, _ in charts}}
-    return save_figures(charts, ran, directory, stem, size=(11, 4.5))
+        return {"files": [], "skipped": {name: "no mesh ran" for name in NAMES}}
+    return save_figures(CHARTS, ran, directory, stem, size=(11, 4.5))
 
 
 def _serving(fig, ran: list[dict[str, Any]]) -> str | None:
@@ -85,3 +84,8 @@ def _communication(fig, ran: list[dict[str, Any]]) -> str | None:
     if bottom.any():
         ax.legend()
     return None
+
+
+# The charts `write_plots` draws, each to `<stem>-<name>.png`.
+CHARTS = (("serving", _serving), ("memory", _memory), ("communication", _communication))
+NAMES = tuple(name for name, _ in CHARTS)

@@ -26,18 +26,17 @@ from meshserve.batching.config import POLICY_NAMES  # noqa: E402
 
 
 def write_plots(results: dict[str, Any], directory: Path, stem: str) -> dict[str, Any]:
-    """Writes `<stem>-<plot>.png` files into `directory`; returns {"files": [...],
-    "skipped": {plot: reason}}."""
-    return save_figures((("throughput", _throughput), ("latency_cdf", _latency_cdf),
-                         ("step_time", _step_time), ("padding", _padding)),
-                        results, directory, stem)
+    """Writes `<stem>-<plot>.png` files into `directory`, one per name of `NAMES` it can draw;
+    returns {"files": [...], "skipped": {plot: reason}}."""
+    return save_figures(PLOTS, results, directory, stem)
 
 
 def save_figures(draws: Sequence[tuple[str, Callable[[Any, Any], str | None]]], data: Any,
                  directory: Path, stem: str, *,
                  size: tuple[float, float] = (7, 4.5)) -> dict[str, Any]:
     """Each `draw(fig, data)` fills a figure and returns None, or the reason it could not;
-    drawn figures go to `<directory>/<stem>-<name>.png`. Returns {"files", "skipped"}."""
+    drawn figures go to new files `<directory>/<stem>-<name>.png` (a file already there raises
+    FileExistsError: a result's plot is never overwritten). Returns {"files", "skipped"}."""
     directory.mkdir(parents=True, exist_ok=True)
     files, skipped = [], {}
     for name, draw in draws:
@@ -47,7 +46,8 @@ def save_figures(draws: Sequence[tuple[str, Callable[[Any, Any], str | None]]], 
             if reason is None:
                 path = directory / f"{stem}-{name}.png"
                 fig.tight_layout()
-                fig.savefig(path, dpi=100)
+                with open(path, "xb") as file:
+                    fig.savefig(file, format="png", dpi=100)
                 files.append(path.name)
             else:
                 skipped[name] = reason
@@ -122,3 +122,9 @@ def _padding(fig, results: dict[str, Any]) -> str | None:
     ax.set_title("Padding waste")
     ax.legend()
     return None
+
+
+# The plots `write_plots` draws, each to `<stem>-<name>.png`.
+PLOTS = (("throughput", _throughput), ("latency_cdf", _latency_cdf), ("step_time", _step_time),
+         ("padding", _padding))
+NAMES = tuple(name for name, _ in PLOTS)

@@ -34,7 +34,7 @@ from meshserve.model.hub import DEFAULT_MODEL
 from meshserve.model.pretrained import load_pretrained
 from meshserve.model.quant import quantize_model, weight_bytes
 from meshserve.model.quantization import SCHEMES
-from meshserve.serving.bench import bench
+from meshserve.serving.bench import bench, result_files
 from meshserve.serving.config import EngineConfig
 from meshserve.serving.engine import Engine
 
@@ -55,12 +55,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
     parser.add_argument("--text", type=Path, required=True, help="text for the perplexity")
     parser.add_argument("--window", type=int, default=512, help="tokens per perplexity window")
-    parser.add_argument("--output", type=Path, default=None, help="write JSON here")
-    bench.add_allow_dirty_argument(parser)
+    parser.add_argument("--output", type=Path, default=None,
+                        help="write JSON to this new file; {date} and {commit} in the name are "
+                             "filled in; a file that exists is refused")
+    result_files.add_allow_dirty_argument(parser)
 
 
 def run(args: argparse.Namespace) -> None:
-    source = bench.provenance(allow_dirty=args.allow_dirty) if args.output else None
+    source, output = result_files.prepare_output(args.output, allow_dirty=args.allow_dirty)
     reference = load_pretrained(args.model)
     if reference.tokenizer is None:
         raise ValueError(f"{args.model!r} has no tokenizer; the perplexity text needs one")
@@ -98,13 +100,14 @@ def run(args: argparse.Namespace) -> None:
             / sum(len(w) for w in want),
             "perplexity": perplexity(engine, windows)}
         _print(name, rows[name])
-    if args.output:
-        bench.write_results(args.output, {
+    if output:
+        result_files.write_json(output, {
             "command": "meshserve " + " ".join(args.argv), "model": args.model,
             "workload": args.workload, "num_prompts": args.num_prompts,
             "max_tokens": args.max_tokens, "text": str(args.text),
             "text_tokens": len(text_ids), "window": args.window,
             "environment": bench.environment(source), "models": rows})
+        print(f"wrote {output}")
 
 
 def _print(name: str, row: dict[str, Any]) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from meshserve.model.quant import weight_bytes
 from meshserve.serving import options
-from meshserve.serving.bench import bench, roofline
+from meshserve.serving.bench import bench, result_files, roofline
 
 HELP = "decode step time against the machine's floor"
 
@@ -19,13 +19,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode batch size; repeat for several (default: 1)")
     parser.add_argument("--context", type=int, default=128, help="tokens already in context")
     parser.add_argument("--output", type=Path, default=None,
-                        help="also write the measurements as JSON (with the machine and command)")
-    bench.add_allow_dirty_argument(parser)
+                        help="also write the measurements as JSON (with the machine and command) "
+                             "to this new file; {date} and {commit} in the name are filled in; a "
+                             "file that exists is refused")
+    result_files.add_allow_dirty_argument(parser)
     options.add_model_args(parser)
 
 
 def run(args: argparse.Namespace) -> None:
-    source = bench.provenance(allow_dirty=args.allow_dirty) if args.output else None
+    source, output = result_files.prepare_output(args.output, allow_dirty=args.allow_dirty)
     llm = options.load_llm(args, needs_tokenizer=False, warmup=False)
     config, batches = llm.model_config, args.batch or [1]
     runner = bench.decode_runner(llm.engine.model, max_batch=max(batches), context=args.context,
@@ -45,10 +47,11 @@ def run(args: argparse.Namespace) -> None:
         print(f"{batch:>5} {step * 1e3:>9.2f} {floor * 1e3:>9.2f} {floor / step:>10.2f}")
         rows.append({"batch": batch, "step_s": step, "floor_s": floor,
                      "floor_over_step": floor / step})
-    if args.output:
-        bench.write_results(args.output, {
+    if output:
+        result_files.write_json(output, {
             "command": "meshserve " + " ".join(args.argv), "model": config.name,
             "dtype": config.dtype, "quantization": llm.engine.config.quantization,
             "weight_bytes": stored, "context": args.context,
             "machine": dataclasses.asdict(machine), "environment": bench.environment(source),
             "decode": rows})
+        print(f"wrote {output}")

@@ -3,15 +3,17 @@ promises, stamped with the commit of the source tree they ran from (small git ch
 tests, so the stamp does not depend on the state of this one), and refused from a dirty tree
 unless `--allow-dirty`."""
 
+import datetime
 import hashlib
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from meshserve.batching.scheduler import KVUsage
-from meshserve.serving.bench import bench, latency
+from meshserve.serving.bench import bench, latency, plots, result_files
 from meshserve.serving.cli import main
 
 SMALL = ["--model", "tiny-llama", "--num-pages", "64", "--max-num-seqs", "4",
@@ -44,7 +46,7 @@ def clean_checkout(tmp_path_factory):
     """Every bench in this module runs "from" a clean checkout, not from this tree."""
     repo = _checkout(tmp_path_factory.mktemp("clean"))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(bench, "SOURCE_DIR", repo / "serving")
+        patch.setattr(result_files, "SOURCE_DIR", repo / "serving")
         yield repo
 
 
@@ -52,27 +54,36 @@ def clean_checkout(tmp_path_factory):
 def checkout(tmp_path, monkeypatch):
     """A checkout of the test's own, to make dirty."""
     repo = _checkout(tmp_path / "checkout")
-    monkeypatch.setattr(bench, "SOURCE_DIR", repo / "serving")
+    monkeypatch.setattr(result_files, "SOURCE_DIR", repo / "serving")
     return repo
 
 
 @pytest.mark.parametrize("mode", ["offline", "online"])
 def test_bench_compares_both_policies_and_writes_the_results(mode, tmp_path, capsys, checkout):
-    """Offline runs from a dirty tree with --allow-dirty, online from a clean one."""
-    out = tmp_path / "results.json"
+    """Offline runs from a dirty tree with --allow-dirty, online from a clean one. The offline
+    run names its output with `{date}` and `{commit}`: they are filled in (the plots take the
+    filled-in name, the command keeps what was typed), and the same command at the same commit
+    and day is then refused, since a result file is never overwritten."""
+    head = _git(checkout, "rev-parse", "HEAD").strip()
+    today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    asked, out = tmp_path / "results.json", tmp_path / "results.json"
     extra = ["--rate", "50", "--slo-scale", "1"] if mode == "online" else ["--allow-dirty"]
     if mode == "offline":
         (checkout / "serving/engine.py").write_text("STEP = 2\n")
-    assert main(["bench", "--mode", mode, "--workload", "fixed-12x6", "--num-requests", "10",
-                 "--output", str(out), "--no-roofline", *SMALL, *extra]) == 0
+        asked, out = tmp_path / "r-{date}-{commit}.json", tmp_path / f"r-{today}-{head[:7]}.json"
+    command = ["bench", "--mode", mode, "--workload", "fixed-12x6", "--num-requests", "10",
+               "--output", str(asked), "--no-roofline", *SMALL, *extra]
+    assert main(command) == 0
     results = json.loads(out.read_text())
     assert results["mode"] == mode and results["environment"]["jax"]
+    assert results["command"] == "meshserve " + " ".join(command)
+    assert sorted(results["plots"]["files"]) == sorted(f"{out.stem}-{name}.png"
+                                                       for name in plots.NAMES)
     stamp = {k: v for k, v in results["environment"].items() if k.startswith("git_")}
-    head = _git(checkout, "rev-parse", "HEAD").strip()
     if mode == "offline":
         assert stamp == {"git_commit": head, "git_dirty": True,
                          "git_dirty_paths": ["serving/engine.py"],
-                         "git_diff_sha256": bench.source_tree(checkout).diff_sha256}
+                         "git_diff_sha256": result_files.source_tree(checkout).diff_sha256}
     else:
         assert stamp == {"git_commit": head, "git_dirty": False}
     for policy in ("continuous", "static"):
@@ -86,8 +97,10 @@ def test_bench_compares_both_policies_and_writes_the_results(mode, tmp_path, cap
             assert r["goodput"]["slos"]["name"] == "mlperf-llama2-70b-server x1"
     assert results["results"]["ratio_output_tokens_per_s"] > 0
     printed = capsys.readouterr().out
-    assert "continuous / static output tokens/s" in printed
+    assert "continuous / static output tokens/s" in printed and f"wrote {out}" in printed
     assert ("ttft" in printed) == (mode == "online")
+    assert main(command) == 2
+    assert f"--output {out} exists" in capsys.readouterr().err
 
 
 def test_quick_run_writes_the_full_schema_plots_and_roofline(tmp_path, capsys):
@@ -144,23 +157,99 @@ def test_bench_refuses_to_stamp_a_result_from_a_dirty_tree(tmp_path, capsys, che
     assert not out.exists()
 
 
+@pytest.mark.parametrize("command", [
+    ["bench", *SMALL], ["bench", "--schema-validity", *SMALL], ["roofline", *SMALL],
+    ["mesh-sweep", "--meshes", "1x1x1", *SMALL],
+    ["quality", "--model", "tiny-llama", "--quantization", "int8", "--text", "missing.txt"],
+])
+def test_every_command_refuses_an_existing_result_file_before_it_runs(command, tmp_path,
+                                                                     capsys):
+    """A result file is never overwritten: the run is refused before anything loads (the
+    quality run's text does not even exist), and the file keeps its bytes."""
+    out = tmp_path / "run.json"
+    out.write_text('{"kept": true}\n')
+    assert main([*command, "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--output {out} exists, and a result file is never overwritten" in err
+    assert str(tmp_path / "run-{date}-{commit}.json") in err  # the name it suggests
+    assert out.read_text() == '{"kept": true}\n'
+
+
+@pytest.mark.parametrize("command, plot", [(["bench"], "padding"),
+                                           (["mesh-sweep", "--meshes", "1x1x1"], "memory")])
+def test_a_plot_that_exists_beside_a_new_result_is_refused_too(command, plot, tmp_path, capsys):
+    (tmp_path / f"run-{plot}.png").write_bytes(PNG_MAGIC)
+    assert main([*command, "--output", str(tmp_path / "run.json"), *SMALL]) == 2
+    assert f"--output {tmp_path / f'run-{plot}.png'} exists" in capsys.readouterr().err
+    assert not (tmp_path / "run.json").exists()
+    folder = tmp_path / "plots"
+    folder.mkdir()
+    (folder / "bench-throughput.png").write_bytes(PNG_MAGIC)
+    assert main(["bench", "--plots-dir", str(folder), *SMALL]) == 2
+    assert f"--plots-dir {folder / 'bench-throughput.png'} exists" in capsys.readouterr().err
+
+
+def test_length_eval_stamps_its_result_and_writes_only_new_files(tmp_path, capsys,
+                                                                clean_checkout):
+    """`--out` names the commit (here the clean checkout's); every file the command writes is
+    refused, with its flag, where one exists, before anything is generated or trained."""
+    from meshserve.serving.bench import length_eval
+
+    kept = tmp_path / "kept"
+    kept.write_text("kept\n")
+    for flags in (["--out", str(kept)], ["--save-predictor", str(kept)],
+                  ["--save-test", str(kept)], ["--workload", "smollm2", "--dataset", str(kept)]):
+        assert length_eval.main(flags) == 2
+        assert f"{flags[-2]} {kept} exists" in capsys.readouterr().err
+    assert kept.read_text() == "kept\n"
+    assert length_eval.main(["--num-requests", "200", "--out",
+                             str(tmp_path / "eval-{commit}.json")]) == 0
+    head = _git(clean_checkout, "rev-parse", "HEAD").strip()
+    result = json.loads((tmp_path / f"eval-{head[:7]}.json").read_text())
+    assert result["environment"]["git_commit"] == head
+    assert result["environment"]["git_dirty"] is False
+    assert result["results"]["planted"]["num_test"] == 60
+
+
+def test_output_names_fill_in_the_date_and_the_short_commit():
+    source = result_files.Provenance("0123456789abcdef" * 2 + "01234567")
+    day = datetime.date(2026, 12, 5)
+    assert result_files.output_path("r/x-{date}-{commit}.json", source, today=day) == Path(
+        "r/x-2026-12-05-0123456.json")
+    assert result_files.output_path("r/{x}.json", source, today=day) == Path("r/{x}.json")
+    with pytest.raises(ValueError, match=r"--out r/\{commit\}.json: \{commit\} needs a git"):
+        result_files.output_path("r/{commit}.json", result_files.Provenance(None), flag="--out")
+
+
+def test_a_result_file_is_written_once(tmp_path):
+    path = tmp_path / "deep" / "r.json"
+    result_files.write_json(path, {"a": 1.5})
+    assert json.loads(path.read_text()) == {"a": 1.5}
+    with pytest.raises(FileExistsError):
+        result_files.write_json(path, {"a": 2})
+    with pytest.raises(TypeError):  # not JSON: no file is left behind
+        result_files.write_json(tmp_path / "bad.json", {"a": object()})
+    assert json.loads(path.read_text()) == {"a": 1.5} and not (tmp_path / "bad.json").exists()
+
+
 def test_a_clean_tree_is_its_commit_and_results_and_prose_do_not_dirty_it(checkout):
     head = _git(checkout, "rev-parse", "HEAD").strip()
-    assert bench.source_tree(checkout / "serving") == bench.Provenance(head)
+    assert result_files.source_tree(checkout / "serving") == result_files.Provenance(head)
     (checkout / "README.md").write_text("# changed\n")
     (checkout / "benchmarks/results/run.json").write_text('{"new": 1}\n')
     (checkout / "benchmarks/results/run-throughput.png").write_bytes(PNG_MAGIC)
-    assert bench.source_tree(checkout) == bench.Provenance(head)
-    assert bench.provenance(allow_dirty=False) == bench.Provenance(head)
+    assert result_files.source_tree(checkout) == result_files.Provenance(head)
+    assert result_files.provenance(allow_dirty=False) == result_files.Provenance(head)
     outside = checkout.parent / "not-a-checkout"
     outside.mkdir()
-    assert bench.source_tree(outside) == bench.Provenance(None)  # nothing to stamp or refuse
-    assert bench.Provenance(None).as_dict() == {"git_commit": None, "git_dirty": None}
+    # nothing to stamp or refuse
+    assert result_files.source_tree(outside) == result_files.Provenance(None)
+    assert result_files.Provenance(None).as_dict() == {"git_commit": None, "git_dirty": None}
 
 
 def test_a_dirty_tree_is_stamped_with_its_paths_and_the_hash_of_its_diff(checkout, tmp_path):
     (checkout / "serving/engine.py").write_text("STEP = 2\n")
-    dirty = bench.source_tree(checkout)
+    dirty = result_files.source_tree(checkout)
     assert dirty.dirty_paths == ("serving/engine.py",)
     diff = subprocess.run(["git", "-C", str(checkout), "diff", "--binary", "HEAD"], check=True,
                           capture_output=True).stdout
@@ -169,20 +258,20 @@ def test_a_dirty_tree_is_stamped_with_its_paths_and_the_hash_of_its_diff(checkou
     clone = tmp_path / "clone"
     _git(tmp_path, "clone", "-q", str(checkout), str(clone))
     (clone / "serving/engine.py").write_text("STEP = 2\n")
-    assert bench.source_tree(clone) == dirty
+    assert result_files.source_tree(clone) == dirty
     (clone / "serving/engine.py").write_text("STEP = 3\n")
-    assert bench.source_tree(clone).diff_sha256 != dirty.diff_sha256
+    assert result_files.source_tree(clone).diff_sha256 != dirty.diff_sha256
     # a new file and a changed workload input count; the hash covers the new file's bytes
     (checkout / "serving/extra.py").write_text("X = 1\n")
     (checkout / "benchmarks/results/prompts.jsonl").write_text('{"prompt": "bye"}\n')
-    more = bench.source_tree(checkout)
+    more = result_files.source_tree(checkout)
     assert more.dirty_paths == ("benchmarks/results/prompts.jsonl", "serving/engine.py",
                                 "serving/extra.py")
     (checkout / "serving/extra.py").write_text("X = 2\n")
-    assert bench.source_tree(checkout).diff_sha256 != more.diff_sha256
+    assert result_files.source_tree(checkout).diff_sha256 != more.diff_sha256
     with pytest.raises(ValueError, match=r"uncommitted changes \(benchmarks/results/prompts"):
-        bench.provenance(allow_dirty=False)
-    assert bench.provenance(allow_dirty=True) == bench.source_tree(checkout)
+        result_files.provenance(allow_dirty=False)
+    assert result_files.provenance(allow_dirty=True) == result_files.source_tree(checkout)
 
 
 def test_jsonl_workload_reads_token_ids_and_default_lengths(tmp_path):
@@ -308,13 +397,13 @@ def test_hf_peer_without_torch_is_skipped_with_a_message(tmp_path, capsys, monke
 
 
 def test_an_installed_hf_peer_runs_beside_continuous_with_the_ratio(golden_dir):
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
+    """Runs wherever the tests run: torch and transformers are in the `[test]` extra."""
     requests = [bench.BenchRequest([1, 2, 3], 4), bench.BenchRequest([4, 5], 2)]
     peers = bench.run_peers(["hf"], str(golden_dir / "tiny-llama"), requests, max_batch_size=2,
                             continuous={"output_tokens_per_s": 30.0})
     hf = peers["hf"]
-    assert "skipped" not in hf and hf["output_tokens"] == 6
+    assert "skipped" not in hf, hf["skipped"]
+    assert hf["output_tokens"] == 6
     assert hf["ratio_continuous_output_tokens_per_s"] == pytest.approx(
         30.0 / hf["output_tokens_per_s"])
 

@@ -42,7 +42,7 @@ def test_split_and_chat_prompts_are_seeded():
 @pytest.mark.slow
 def test_the_command_prints_and_writes_json(tmp_path, capsys):
     out = tmp_path / "eval.json"
-    assert length_eval.main(["--num-requests", "300", "--out", str(out)]) == 0
+    assert length_eval.main(["--allow-dirty", "--num-requests", "300", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["command"].endswith(f"--num-requests 300 --out {out}")
     planted = result["results"]["planted"]
