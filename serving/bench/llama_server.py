@@ -2,7 +2,8 @@
 with parallel slots and continuous batching, the engine a CPU user who wants throughput runs.
 
 `run_peer` does, in order:
-1. gets the binary from `llama_server_build.ensure_built` (built once per machine and cached);
+1. gets the binary from `llama_server_build.ensure_built` (built once per machine, smoke-tested
+   on `model`, falling back to a build without a feature that crashes, and cached);
 2. starts it on 127.0.0.1 at a free port, shaped like meshserve's engine (`ServerShape.matching`):
    one slot per `max_num_seqs` row, each with `max_model_len` tokens of context (`-c` is slots
    times that; the KV cache is not unified, so each slot has exactly its share),
@@ -20,8 +21,10 @@ Invariants:
   as meshserve runs it. A completed request whose stream carried another number of tokens is
   counted as failed (`SHORT_OUTPUT`), so the peer is never credited with work it did not do.
 * The server is stopped whatever happens (SIGTERM, then SIGKILL after `STOP_TIMEOUT_S`), also on
-  an exception or Ctrl-C; a server that exits or never turns healthy raises `PeerUnavailable`
-  with the tail of its log.
+  an exception or Ctrl-C; a server that exits or never turns healthy, or that exits while it
+  serves, raises `PeerUnavailable` naming its exit status or signal, with the tail of its log.
+* The result's `build` is `llama_server_build.build_info`: the flags the binary was built with
+  and its smoke test.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ if TYPE_CHECKING:  # bench imports jax; this module needs none
 NAME = "llama-server"
 START_TIMEOUT_S = 180.0   # loading the model and the server's own warm-up
 STOP_TIMEOUT_S = 10.0
+EXIT_GRACE_S = 0.5
 WARMUP_TOKENS = 4
 LOG_TAIL_LINES = 20
 SHORT_OUTPUT = "SHORT_OUTPUT"
@@ -103,7 +107,8 @@ def run_peer(model: str, requests: Sequence[BenchRequest], *, shape: ServerShape
         raise ValueError(f"a request is longer than the {shape.context_per_slot} tokens of "
                          "context per slot; raise context_per_slot (--max-model-len)")
     path = model_files(NAME, model).path
-    binary = llama_server_build.ensure_built(cache_dir, log=log)
+    binary = llama_server_build.ensure_built(cache_dir, model=path, log=log)
+    build = llama_server_build.build_info(cache_dir)
     with serve(binary, path, shape) as target:
         warmup = dataclasses.replace(requests[0], num_output_tokens=min(
             WARMUP_TOKENS, requests[0].num_output_tokens))
@@ -120,6 +125,7 @@ def run_peer(model: str, requests: Sequence[BenchRequest], *, shape: ServerShape
         "output_tokens_per_s": summary["output_throughput"],
         "requests_per_s": summary["request_throughput"],
         "version": version(binary),
+        "build": build,
         "threads": shape.threads,
         "server": dataclasses.asdict(shape) | {"arguments": shape.arguments()},
         "arrivals": {"rate": rate, "burstiness": burstiness, "concurrency": concurrency,
@@ -155,7 +161,8 @@ def _check_warmup(timings: list[latency.RequestTiming], _wall: float) -> None:
 @contextlib.contextmanager
 def serve(binary: Path, model_path: Path, shape: ServerShape) -> Iterator[str]:
     """A running llama-server on 127.0.0.1, answering `/health`; yields "127.0.0.1:port" and
-    stops the server when the block ends, however it ends."""
+    stops the server when the block ends, however it ends. A server that exited while the
+    block ran raises `PeerUnavailable` (from the block's own exception, if any)."""
     with tempfile.TemporaryDirectory(prefix="meshserve-llama-server-") as scratch:
         log_path = Path(scratch) / "server.log"
         port = free_port()
@@ -166,9 +173,26 @@ def serve(binary: Path, model_path: Path, shape: ServerShape) -> Iterator[str]:
                                        stderr=subprocess.STDOUT)
         try:
             wait_until_healthy(process, f"127.0.0.1:{port}", log_path)
-            yield f"127.0.0.1:{port}"
+            try:
+                yield f"127.0.0.1:{port}"
+            except Exception as err:
+                _raise_if_exited(process, log_path, err)
+                raise
+            _raise_if_exited(process, log_path, None)
         finally:
             stop(process)
+
+
+def _raise_if_exited(process: subprocess.Popen, log_path: Path,
+                     cause: BaseException | None) -> None:
+    """`PeerUnavailable` if the server has exited; after a failure (`cause`) it is given a
+    moment, since a client sees the connection drop just before the process can be reaped."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(EXIT_GRACE_S if cause is not None else 0)
+    if process.poll() is not None:
+        raise PeerUnavailable(
+            f"llama-server {llama_server_build.describe_exit(process.returncode)} while it "
+            f"served the workload:\n{_tail(log_path)}") from cause
 
 
 def free_port() -> int:
@@ -185,7 +209,8 @@ def wait_until_healthy(process: subprocess.Popen, target: str, log_path: Path, *
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise PeerUnavailable(f"llama-server exited with status {process.returncode} "
+            raise PeerUnavailable(f"llama-server "
+                                  f"{llama_server_build.describe_exit(process.returncode)} "
                                   f"before it was ready:\n{_tail(log_path)}")
         if _is_healthy(target):
             return

@@ -15,8 +15,11 @@ for every completion, and `loading_polls` answers of 503 from `/health` before 2
 
 Run as a program (`python -m tests.serving.fake_llama_server` or the file itself) it takes
 llama-server's flags, serves on `--host`/`--port` until SIGTERM, answers `--version`, writes its
-argv as JSON to `$FAKE_LLAMA_SERVER_ARGV` when that is set, and exits at once with status 3 and
-a message when `$FAKE_LLAMA_SERVER_FAIL` is set.
+argv as JSON to `$FAKE_LLAMA_SERVER_ARGV` when that is set, exits at once with status 3 and
+a message when `$FAKE_LLAMA_SERVER_FAIL` is set, and kills itself with SIGSEGV on its first
+`/completion` when `$FAKE_LLAMA_SERVER_SEGFAULT` is set (as a llama.cpp built with a crashing
+CPU feature does on its first decode). Given `llama-batched-bench`'s `-npp`, it prints a
+one-row table as that program does and exits 0 (the builder's smoke test).
 """
 
 from __future__ import annotations
@@ -76,6 +79,8 @@ def make_server(port: int = 0, behaviour: Behaviour | None = None,
             behaviour.bodies.append(body)
             if self.path != "/completion":
                 return self._json(404, {"error": {"code": 404, "message": "not found"}})
+            if os.environ.get("FAKE_LLAMA_SERVER_SEGFAULT"):
+                os.kill(os.getpid(), signal.SIGSEGV)
             if behaviour.status != 200:
                 return self._json(behaviour.status, {"error": {"code": behaviour.status,
                                                                "message": "refused"}})
@@ -136,6 +141,10 @@ def main(argv: list[str]) -> int:
     if os.environ.get("FAKE_LLAMA_SERVER_FAIL"):
         print("error: failed to load model (as told to)", file=sys.stderr)
         return 3
+    if "-npp" in argv:  # llama-batched-bench
+        print("|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |")
+        print("|     8 |      2 |    1 |     10 |    0.001 |  8000.00 |    0.001 |  2000.00 |")
+        return 0
     if os.environ.get("FAKE_LLAMA_SERVER_ARGV"):
         with open(os.environ["FAKE_LLAMA_SERVER_ARGV"], "w") as handle:
             json.dump(argv, handle)

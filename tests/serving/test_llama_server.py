@@ -1,8 +1,9 @@
 """The llama-server peer (`meshserve.serving.bench.llama_server` and `llama_server_build`).
 
 Most tests need no build: the streamed `/completion` protocol and the metrics run against
-`fake_llama_server` on 127.0.0.1 (in this process, or as the "binary" the peer starts), and the
-build path runs real cmake on a two-file project. One test runs the real llama-server on
+`fake_llama_server` on 127.0.0.1 (in this process, or as the "binary" the peer starts, installed
+by the builder with its build step replaced by `script_build` and then smoke-tested for real),
+and the build path runs real cmake on a two-file project. One test runs the real llama-server on
 SmolLM2; it is slow and needs the built binary (see `test_the_real_llama_server_runs_a_workload`).
 """
 
@@ -103,20 +104,48 @@ def test_a_short_output_is_a_failed_request_not_credited_throughput(fake):
 
 # -- the server process ---------------------------------------------------------------------------
 
+RUN_FAKE = f'exec "{sys.executable}" "{FAKE_SCRIPT}" "$@"'
+# Dies by SIGSEGV on a decode (llama-batched-bench's `-npp`), as llama.cpp built with AMX does on
+# some CPUs that report it; `--version` still answers.
+SEGFAULT_ON_DECODE = 'case " $* " in *" -npp "*) kill -SEGV $$;; esac\n' + RUN_FAKE
+
+
+def script_build(body, builds: list):
+    """A build step that installs, as each binary of a variant, a shell script whose body is
+    `body(variant)`; it appends each variant's name to `builds`."""
+    def build_variant(directory: Path, variant: build.BuildVariant, *, log, jobs) -> None:
+        builds.append(variant.name)
+        for name in build.BUILD_TARGETS:
+            path = build._bin_directory(directory, variant) / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(f"#!/bin/sh\n{body(variant)}\n")
+            path.chmod(0o755)
+    return build_variant
+
+
+def no_amx(variant: build.BuildVariant) -> bool:
+    """Whether the variant's cmake arguments turn AMX off in both C and C++."""
+    flags = " ".join(build.NO_AMX_FLAGS)
+    arguments = variant.cmake_arguments()
+    return {f"-DCMAKE_C_FLAGS={flags}", f"-DCMAKE_CXX_FLAGS={flags}"} <= set(arguments)
+
+
 @pytest.fixture
-def fake_binary(tmp_path, monkeypatch):
-    """The fake installed where the build would put the binaries, in a private cache."""
-    cache = tmp_path / "cache"
-    for name in build.BUILD_TARGETS:
-        path = build.binary_path(name, cache)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE_SCRIPT}" "$@"\n')
-        path.chmod(0o755)
-    argv_file = tmp_path / "argv.json"
-    monkeypatch.setenv("FAKE_LLAMA_SERVER_ARGV", str(argv_file))
+def fake_gguf(tmp_path) -> Path:
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF" + bytes(64))
-    return {"cache": cache, "argv": argv_file, "model": str(gguf)}
+    return gguf
+
+
+@pytest.fixture
+def fake_binary(tmp_path, monkeypatch, fake_gguf):
+    """The fake installed by the builder in a private cache, having passed its smoke test."""
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(build, "_build_variant", script_build(lambda _: RUN_FAKE, []))
+    build.ensure_built(cache, model=fake_gguf, log=lambda _: None)
+    argv_file = tmp_path / "argv.json"
+    monkeypatch.setenv("FAKE_LLAMA_SERVER_ARGV", str(argv_file))
+    return {"cache": cache, "argv": argv_file, "model": str(fake_gguf)}
 
 
 def listening(port: int) -> bool:
@@ -138,6 +167,9 @@ def test_run_peer_serves_the_workload_from_a_server_shaped_like_the_engine(fake_
     assert result["output_tokens_per_s"] == result["output_throughput"] > 0
     assert result["ttft_s"]["count"] == 3 and result["tpot_s"]["count"] == 2
     assert "fake" in result["version"]
+    assert result["build"]["variant"] == "native" and result["build"]["c_flags"] == []
+    assert result["build"]["smoke_test"]["outcome"] == "passed"
+    assert result["build"]["cmake_options"] == list(build.CMAKE_OPTIONS)
     assert len(result["load_average"]["before"]) == len(result["load_average"]["after"]) == 3
     argv = json.loads(fake_binary["argv"].read_text())
     assert {name: flag(argv, name) for name in ("-np", "-c", "-b", "-ub", "-t", "-tb",
@@ -169,6 +201,14 @@ def test_a_server_that_dies_at_start_is_unavailable_with_its_log(fake_binary, mo
     monkeypatch.setenv("FAKE_LLAMA_SERVER_FAIL", "1")
     shape = llama_server.ServerShape(slots=1, context_per_slot=32)
     with pytest.raises(PeerUnavailable, match=r"exited with status 3(.|\n)*failed to load model"):
+        llama_server.run_peer(fake_binary["model"], REQUESTS, shape=shape,
+                              cache_dir=fake_binary["cache"], log=lambda _: None)
+
+
+def test_a_server_that_dies_by_a_signal_while_serving_is_unavailable(fake_binary, monkeypatch):
+    monkeypatch.setenv("FAKE_LLAMA_SERVER_SEGFAULT", "1")
+    shape = llama_server.ServerShape(slots=1, context_per_slot=32)
+    with pytest.raises(PeerUnavailable, match="died of SIGSEGV .* while it served"):
         llama_server.run_peer(fake_binary["model"], REQUESTS, shape=shape,
                               cache_dir=fake_binary["cache"], log=lambda _: None)
 
@@ -209,13 +249,100 @@ def test_online_comparison_with_llama_server_drives_meshserves_http_api():
 
 # -- the build ------------------------------------------------------------------------------------
 
+NATIVE, NO_AMX = build.BUILD_VARIANTS[0], build.BUILD_VARIANTS[1]
+
+
+def test_a_build_that_segfaults_on_decode_falls_back_to_amx_off_and_records_it(
+        tmp_path, monkeypatch, fake_gguf):
+    builds: list = []
+    monkeypatch.setattr(build, "_build_variant", script_build(
+        lambda variant: RUN_FAKE if no_amx(variant) else SEGFAULT_ON_DECODE, builds))
+    server = build.ensure_built(tmp_path, model=fake_gguf, log=lambda _: None)
+    assert builds == ["native", "native-no-amx"]
+    assert server == build.binary_path("llama-server", NO_AMX, tmp_path)
+    assert build.cached_binary(cache_dir=tmp_path) == server
+    assert not build.binary_path("llama-server", NATIVE, tmp_path).exists()  # never reused
+    info = build.build_info(tmp_path)
+    assert info["variant"] == "native-no-amx"
+    assert info["c_flags"] == info["cxx_flags"] == list(build.NO_AMX_FLAGS)
+    assert info["smoke_test"]["outcome"] == "passed"
+    assert "-npp" in info["smoke_test"]["command"] and str(fake_gguf) in info["smoke_test"][
+        "command"]
+    assert info["attempts"] == [
+        {"variant": "native", "c_flags": [], "outcome": "crashed", "signal": "SIGSEGV"},
+        {"variant": "native-no-amx", "c_flags": list(build.NO_AMX_FLAGS), "outcome": "passed",
+         "signal": None}]
+    record = json.loads((build.build_directory(tmp_path) / build.RECORD_NAME).read_text())
+    assert record["attempts"][0]["smoke_test"]["steps"][-1]["returncode"] == -11
+    assert build.ensure_built(tmp_path, model=fake_gguf, log=lambda _: None) == server
+    assert builds == ["native", "native-no-amx"]  # nothing built or tested again
+
+
+def test_when_every_build_crashes_the_peer_is_unavailable_naming_signal_and_flags(
+        tmp_path, monkeypatch, fake_gguf):
+    builds: list = []
+    monkeypatch.setattr(build, "_build_variant",
+                        script_build(lambda _: SEGFAULT_ON_DECODE, builds))
+    monkeypatch.setenv("MESHSERVE_CACHE_DIR", str(tmp_path))
+    results = bench.run_peers(["llama-server"], str(fake_gguf), REQUESTS, max_batch_size=4,
+                              log=lambda _: None)
+    reason = results["llama-server"]["skipped"]
+    assert reason.startswith("every llama.cpp build died by a signal in its smoke test")
+    assert "native with C/C++ flags '(none)': SIGSEGV" in reason
+    assert f"native-no-amx with C/C++ flags '{' '.join(build.NO_AMX_FLAGS)}': SIGSEGV" in reason
+    assert builds == ["native", "native-no-amx"]
+    with pytest.raises(build.EveryBuildCrashed, match="SIGSEGV"):
+        build.ensure_built(model=fake_gguf, log=lambda _: None)
+    assert builds == ["native", "native-no-amx"]  # a crashed build is not built again
+    assert build.cached_binary() is None and build.build_info() is None
+
+
+def test_a_build_that_cannot_decode_without_a_signal_does_not_fall_back(
+        tmp_path, monkeypatch, fake_gguf):
+    builds: list = []
+    monkeypatch.setattr(build, "_build_variant", script_build(lambda _: RUN_FAKE, builds))
+    monkeypatch.setenv("FAKE_LLAMA_SERVER_FAIL", "1")  # exits with status 3, as on a bad model
+    failure = r"llama-batched-bench exited with status 3(.|\n)*failed to load model"
+    with pytest.raises(build.SmokeTestFailed, match=failure):
+        build.ensure_built(tmp_path, model=fake_gguf, log=lambda _: None)
+    assert builds == ["native"] and build.cached_binary(cache_dir=tmp_path) is None
+    monkeypatch.delenv("FAKE_LLAMA_SERVER_FAIL")
+    assert build.ensure_built(tmp_path, model=fake_gguf, log=lambda _: None) == \
+        build.binary_path("llama-server", NATIVE, tmp_path)
+    assert builds == ["native"]  # tested again, not built again
+
+
+def test_a_binary_from_before_smoke_tests_is_never_used(tmp_path):
+    legacy = build.build_directory(tmp_path) / "bin" / "llama-server"  # the former layout
+    legacy.parent.mkdir(parents=True)
+    legacy.write_text("#!/bin/sh\nkill -SEGV $$\n")
+    legacy.chmod(0o755)
+    assert build.cached_binary(cache_dir=tmp_path) is None
+
+
 needs_build_tools = pytest.mark.skipif(bool(build.missing_build_tools()),
                                        reason=f"no {', '.join(build.missing_build_tools())}")
+# A real cmake project whose binaries, built without the AMX-off C flags, die by SIGSEGV when
+# asked to decode (`-npp`), as llama.cpp does on some CPUs that report AMX.
 TINY_PROJECT = """cmake_minimum_required(VERSION 3.10)
 project(tiny C)
 set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
+if(CMAKE_C_FLAGS MATCHES "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
+  add_compile_definitions(AMX_OFF)
+endif()
 add_executable(llama-server main.c)
 add_executable(llama-batched-bench main.c)
+"""
+TINY_MAIN = """#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+int main(int argc, char **argv) {
+#ifndef AMX_OFF
+    for (int i = 1; i < argc; i++) if (CRASHES && strcmp(argv[i], "-npp") == 0) raise(SIGSEGV);
+#endif
+    puts("tiny");
+    return 0;
+}
 """
 
 
@@ -232,34 +359,48 @@ def tiny_source(body: str, fetches: list):
 
 @needs_build_tools
 def test_ensure_built_builds_once_under_a_lock_and_then_reuses_the_cache(tmp_path,
-                                                                          monkeypatch):
+                                                                          monkeypatch, fake_gguf):
     fetches: list = []
-    monkeypatch.setattr(build, "_fetch_source", tiny_source(
-        '#include <stdio.h>\nint main(void) { puts("tiny"); return 0; }\n', fetches))
+    monkeypatch.setattr(build, "_fetch_source",
+                        tiny_source("#define CRASHES 0\n" + TINY_MAIN, fetches))
     paths: list = []
     racers = [threading.Thread(target=lambda: paths.append(
-        build.ensure_built(tmp_path, log=lambda _: None, jobs=1))) for _ in range(2)]
+        build.ensure_built(tmp_path, model=fake_gguf, log=lambda _: None, jobs=1)))
+        for _ in range(2)]
     for racer in racers:
         racer.start()
     for racer in racers:
         racer.join()
-    assert len(fetches) == 1 and paths == [build.binary_path("llama-server", tmp_path)] * 2
+    assert len(fetches) == 1 and paths == [build.binary_path("llama-server", NATIVE, tmp_path)] * 2
     assert all(build.cached_binary(name, tmp_path) for name in build.BUILD_TARGETS)
     assert os.popen(str(paths[0])).read() == "tiny\n"
-    assert not list(build.build_directory(tmp_path).glob(".build-*"))  # the sources are gone
+    assert not list(build.build_directory(tmp_path).glob("*/.build-*"))  # the sources are gone
     lock = build.build_directory(tmp_path).parent / f"{build.build_directory(tmp_path).name}.lock"
     assert lock.is_file()  # one lock per build key, named after it
-    build.ensure_built(tmp_path, log=lambda _: None)
+    build.ensure_built(tmp_path, model=fake_gguf, log=lambda _: None)
     assert len(fetches) == 1
 
 
 @needs_build_tools
-def test_a_failed_build_raises_with_the_logs_tail_and_installs_nothing(tmp_path, monkeypatch):
+def test_the_fallback_flags_reach_the_compiler(tmp_path, monkeypatch, fake_gguf):
+    fetches: list = []
+    monkeypatch.setattr(build, "_fetch_source",
+                        tiny_source("#define CRASHES 1\n" + TINY_MAIN, fetches))
+    server = build.ensure_built(tmp_path, model=fake_gguf, log=lambda _: None, jobs=1)
+    assert len(fetches) == 2 and server == build.binary_path("llama-server", NO_AMX, tmp_path)
+    assert [a["outcome"] for a in build.build_info(tmp_path)["attempts"]] == ["crashed", "passed"]
+    assert "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" in (
+        build.build_directory(tmp_path) / "native-no-amx" / "build.log").read_text()
+
+
+@needs_build_tools
+def test_a_failed_build_raises_with_the_logs_tail_and_installs_nothing(tmp_path, monkeypatch,
+                                                                       fake_gguf):
     monkeypatch.setattr(build, "_fetch_source", tiny_source("int main(void) { return }\n", []))
     with pytest.raises(build.BuildFailed, match=r"could not build(.|\n)*main\.c.*error"):
-        build.ensure_built(tmp_path, log=lambda _: None, jobs=1)
+        build.ensure_built(tmp_path, model=fake_gguf, log=lambda _: None, jobs=1)
     assert build.cached_binary(cache_dir=tmp_path) is None
-    assert (build.build_directory(tmp_path) / "build.log").is_file()
+    assert (build.build_directory(tmp_path) / "native" / "build.log").is_file()
 
 
 # -- the real server ------------------------------------------------------------------------------
