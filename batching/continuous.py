@@ -46,7 +46,7 @@ import math
 from typing import Sequence
 
 from meshserve.batching.buckets import floor_bucket, pick_bucket
-from meshserve.batching.config import SchedulerConfig
+from meshserve.batching.knobs import SchedulerConfig
 from meshserve.batching.ordering import Ordering
 from meshserve.batching.plan import Row
 from meshserve.batching.policy import Primitives, fits_padded_budget

@@ -28,7 +28,7 @@ import heapq
 import itertools
 from typing import Callable, Iterable, Protocol, Sequence
 
-from meshserve.batching.config import ORDERINGS, SchedulerConfig
+from meshserve.batching.knobs import ORDERINGS, SchedulerConfig
 from meshserve.batching.pages import num_pages_for
 from meshserve.batching.request import Request
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from meshserve.batching.buckets import bucket_sizes, pick_bucket
-from meshserve.batching.config import SchedulerConfig
+from meshserve.batching.knobs import SchedulerConfig
 from meshserve.batching.plan import Row
 from meshserve.batching.request import Request
 

@@ -206,10 +206,10 @@ class SamplingArrays:
     """Per-row sampling parameters of one sub-batch, as the device sampler reads them.
 
     This class is the one table of sampling columns: greedy defaults, padding, concatenation and
-    the pipeline's gather all follow from its fields (`COLUMNS`), and `meshserve.model.sampler`
-    registers it as a pytree, so the same class holds the device arrays. A new sampling knob is a
-    `SamplingParams` field and one column here (`from_params=True`), plus the sampler code that
-    reads it.
+    the pipeline's gather all follow from its fields (`COLUMNS`), and
+    `meshserve.model.executor.sampler` registers it as a pytree, so the same class holds the
+    device arrays. A new sampling knob is a `SamplingParams` field and one column here
+    (`from_params=True`), plus the sampler code that reads it.
 
     temperature 0 means greedy. top_k 0 means off. `seeds` and `steps` make a row's random draw a
     function of (request seed, output index) only, so batch company never changes it. `history`

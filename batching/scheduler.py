@@ -47,8 +47,8 @@ from typing import Sequence
 
 import numpy as np
 
-from meshserve.batching.config import POLICY_NAMES, SchedulerConfig
 from meshserve.batching.continuous import ContinuousPolicy
+from meshserve.batching.knobs import POLICY_NAMES, SchedulerConfig
 from meshserve.batching.length import LengthPredictor, PriorPredictor, extract_features
 from meshserve.batching.ordering import make_ordering
 from meshserve.batching.pages import DUMMY_PAGE, PageAllocator, num_pages_for

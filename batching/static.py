@@ -15,7 +15,7 @@ or sharding packages.
 
 from __future__ import annotations
 
-from meshserve.batching.config import SchedulerConfig
+from meshserve.batching.knobs import SchedulerConfig
 from meshserve.batching.ordering import Ordering
 from meshserve.batching.plan import Row
 from meshserve.batching.policy import Primitives, fits_padded_budget

@@ -4,7 +4,7 @@
 regular expression, a choice of strings, or a grammar (Lark, or GBNF). It checks only its own
 shape on construction (exactly one kind, of the right type; a schema given as text must be JSON);
 whether the schema, regex or grammar itself is valid is for the grammar library to say when the
-engine compiles it (`meshserve.serving.grammar`), before the request is queued.
+engine compiles it (`meshserve.serving.engine.grammar`), before the request is queued.
 
 `Matcher` is what the host needs of a compiled constraint, one per request: the bitmask of the
 tokens allowed next, and advancing by the token sampled. `Constraint` is that matcher inside a

@@ -235,10 +235,8 @@ def ragged_meta(batch: RaggedBatch, *, page_size: int, block_pages: int) -> Ragg
 
 # Tokens whose cached context one iteration of the context loop reads together, taken in the
 # order of their cached lengths. A block of a fresh prompt's tokens (nothing cached) skips the
-# loop; a block of decodes reads the context its longest sequence needs. On chat-mix (SmolLM2
-# int8, 2-core CPU, scripts/profile_step.py --workload chat-mix) attention was
-# 45% of the run's time; sorted blocks of 4 served it at 229 tok/s against 209 for unsorted
-# blocks of 16 (medians of 3, one process, runs interleaved).
+# loop; a block of decodes reads the context its longest sequence needs. Sorted blocks of 4 were
+# the fastest measured on chat-mix (docs/benchmarks.md, "Default flags against every peer").
 QUERY_BLOCK = 4
 
 

@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from meshserve.model.config import ModelConfig, RopeScaling
-from meshserve.model.quant import QuantizedKernel, quantized_matmul
+from meshserve.model.quantized_kernel import QuantizedKernel, quantized_matmul
 
 
 def normal_init(stddev: float):
@@ -56,7 +56,8 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], 
 
 class Dense(nnx.Module):
     """A weight applied by one einsum, with an optional bias over the output axes. The kernel is
-    a float `nnx.Param` or a `QuantizedKernel` (`meshserve.model.quant`); either reads the same."""
+    a float `nnx.Param` or a `QuantizedKernel` (`meshserve.model.quantized_kernel`); either reads
+    the same."""
 
     def __init__(self, spec: str, shape: tuple[int, ...], axes: tuple[str, ...], *,
                  bias_dims: int = 0, dtype: str, rngs: nnx.Rngs, stack: tuple[int, ...] = (),

@@ -41,6 +41,8 @@ import jinja2.sandbox
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
+from meshserve.model.gguf_reader import open_gguf
+
 REPLACEMENT_CHAR = "\ufffd"
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
@@ -115,8 +117,6 @@ def gguf_pre_tokenizer(pre_type: str | None) -> pre_tokenizers.PreTokenizer:
 
 def read_gguf_tokenizer_fields(path: str | Path) -> dict[str, Any]:
     """The `tokenizer.*` metadata of a GGUF file, decoded to Python values (tensors untouched)."""
-    from meshserve.model.loaders import open_gguf
-
     reader = open_gguf(path)
     return {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
 

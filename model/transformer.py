@@ -13,7 +13,7 @@ A model sees a step as flattened tokens `[N]` with their positions, plus an atte
 batched or where pages live.
 
 Parameter paths (`embed/embedding`, `layers/attn/q/kernel`, ...) are the canonical layout that the
-loaders produce; `meshserve.model.loaders.expected_shapes` lists them.
+loaders produce; `meshserve.model.canonical.expected_shapes` lists them.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from meshserve.model.attention import NO_WINDOW, AttentionSpec
 from meshserve.model.config import ModelConfig
 from meshserve.model.layers import Dense, Embed, LayerNorm, RMSNorm, apply_rope, rope_tables
 from meshserve.model.moe import MoeMLP
-from meshserve.model.quant import install as install_quantized
+from meshserve.model.quantized_weights import install as install_quantized
 
 
 class LlamaAttention(nnx.Module):
@@ -294,7 +294,8 @@ def param_paths(model) -> dict[str, tuple[int, ...]]:
 
 def model_from_params(config: ModelConfig, params: Mapping[str, Any]) -> Llama | GPT2:
     """A model whose weights are `params` (canonical paths, as the loaders return them); a
-    kernel given as a `QuantizedArray` becomes a quantized kernel (`meshserve.model.quant`)."""
+    kernel given as a `QuantizedArray` becomes a quantized kernel
+    (`meshserve.model.quantized_kernel`)."""
     model = abstract_model(config)
     shapes = param_paths(model)
     _check_param_keys(set(shapes), set(params))

@@ -54,8 +54,8 @@ REGEX_TEXT = "Ada was 36 years old."
 
 
 def smollm2_tokenizer_json() -> tuple[str, int, list[int]]:
-    from meshserve.model.hub import resolve_model
-    from meshserve.model.pretrained import load_tokenizer
+    from meshserve.model.loading.hub import resolve_model
+    from meshserve.model.loading.pretrained import load_tokenizer
 
     tokenizer = load_tokenizer(resolve_model("smollm2-135m-instruct"))
     return tokenizer._backend.to_str(), tokenizer.vocab_size, list(tokenizer.eos_token_ids)

@@ -1,11 +1,11 @@
-"""Regenerates the committed gRPC stubs in serving/api/ from serving/proto/.
+"""Regenerates the committed gRPC stubs in serving/grpc_api/stubs/ from serving/grpc_api/proto/.
 
     .venv/bin/python scripts/gen_protos.py          # rewrite the stubs
     .venv/bin/python scripts/gen_protos.py --check  # exit 1 if the committed stubs are stale
 
-protoc writes `from meshserve.v1 import generation_pb2`, after the proto's own path; the stubs
-live in `meshserve.serving.api`, so that import is rewritten. `tests/serving/test_proto.py` runs
-the check.
+protoc writes `from meshserve.v1 import generation_pb2`, after the proto's own path; the stubs live
+in `meshserve.serving.grpc_api.stubs`, so that import is rewritten. `tests/serving/test_proto.py`
+runs the check.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PROTO_ROOT = ROOT / "serving" / "proto"
+PROTO_ROOT = ROOT / "serving" / "grpc_api" / "proto"
 PROTO = Path("meshserve/v1/generation.proto")
-OUT = ROOT / "serving" / "api"
+OUT = ROOT / "serving" / "grpc_api" / "stubs"
 STUBS = ("generation_pb2.py", "generation_pb2.pyi", "generation_pb2_grpc.py")
 
 
@@ -34,7 +34,7 @@ def generate(out: Path) -> None:
         for name in STUBS:
             text = (generated / name).read_text()
             text = text.replace("from meshserve.v1 import generation_pb2",
-                                "from meshserve.serving.api import generation_pb2")
+                                "from meshserve.serving.grpc_api.stubs import generation_pb2")
             (out / name).write_text(text)
 
 

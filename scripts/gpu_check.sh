@@ -144,7 +144,7 @@ else
   PIP_CONFIG_FILE=/dev/null PYTHONWARNINGS="ignore:Editable installation" \
     "$PY" -m pip install --isolated --quiet --no-index --find-links "$WHEELS" -e '.[test]'
 fi
-"$PY" -c 'import meshserve.serving.cli, meshserve.model.hub as hub
+"$PY" -c 'import meshserve.serving.cli, meshserve.model.loading.hub as hub
 print("meshserve:", meshserve.serving.cli.__file__)
 print("model:", hub.resolve_model(hub.DEFAULT_MODEL).path)'
 if [ "$INSTALL_ONLY" = 1 ]; then

@@ -201,7 +201,7 @@ from pathlib import Path
 
 dest, limit_mib, margin_mib = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 MIB = 1 << 20
-spec = importlib.util.spec_from_file_location("meshserve_hub", "model/hub.py")
+spec = importlib.util.spec_from_file_location("meshserve_hub", "model/loading/hub.py")
 hub = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = hub
 spec.loader.exec_module(hub)  # only the standard library: no install needed here

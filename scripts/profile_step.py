@@ -55,15 +55,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshserve.batching.plan import sub_batch_from_rows
-from meshserve.model import attention, steps, transformer
-from meshserve.model.pretrained import load_pretrained
-from meshserve.model.quant import weight_bytes
-from meshserve.model.quantization import SCHEMES
-from meshserve.model.runner import ModelRunner, RunnerConfig
-from meshserve.model.sampler import Sampled
+from meshserve.model import attention, transformer
+from meshserve.model.executor import steps
+from meshserve.model.executor.runner import ModelRunner, RunnerConfig
+from meshserve.model.executor.sampler import Sampled
+from meshserve.model.loading.pretrained import load_pretrained
+from meshserve.model.quant_formats import SCHEMES
+from meshserve.model.quantized_weights import weight_bytes
 from meshserve.serving.bench import bench, result_files
-from meshserve.serving.config import EngineConfig
-from meshserve.serving.engine import Engine
+from meshserve.serving.engine.core import Engine
+from meshserve.serving.engine.engine_config import EngineConfig
 
 PREFILL_CHUNK = 256
 PREFILL_DECODES = 16

@@ -3,7 +3,7 @@
     .venv/bin/python scripts/quant_matmul_bench.py --rows 1 --rows 16 --rows 128
 
 Times (CPU milliseconds, the minimum of `--repeats` interleaved runs) of float32, meshserve's
-int8 and int4 kernels (`meshserve.model.quant`), and, when the qwix package is installed
+int8 and int4 kernels (`meshserve.model.quantized_kernel`), and, when the qwix package is installed
 (`pip install qwix`), qwix's weight-only int8 (per channel) and int4 (groups of 32, minmax)
 `dot_general` on the same weights; with each compiled program's largest float buffer, against a
 layer's kernel.
@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from meshserve.model.quant import QuantizedKernel, quantized_matmul
-from meshserve.model.quantization import quantize, scheme_format
+from meshserve.model.quant_formats import quantize, scheme_format
+from meshserve.model.quantized_kernel import QuantizedKernel, quantized_matmul
 
 LAYERS, ROWS_IN, COLS = 30, 1536, 576  # SmolLM2's ffw -> embed
 

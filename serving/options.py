@@ -1,6 +1,6 @@
 """The command line's shared options, generated from the configs' field metadata.
 
-A config field declared with `knob(default, help, compile=...)` (`meshserve.batching.config`)
+A config field declared with `knob(default, help, compile=...)` (`meshserve.batching.knobs`)
 becomes `--field-name`, typed by its annotation, with its help text, "(compile)" when a new value
 changes compiled shapes, and its default. Booleans get `--x/--no-x`. Nothing here re-declares a
 knob: a config's field list is the flag list.
@@ -19,10 +19,10 @@ import time
 import typing
 
 from meshserve.batching.sampling import SamplingParams
-from meshserve.model.hub import DEFAULT_MODEL
-from meshserve.serving import multihost
-from meshserve.serving.config import EngineConfig
-from meshserve.serving.llm import LLM
+from meshserve.model.loading.hub import DEFAULT_MODEL
+from meshserve.serving.engine import multihost
+from meshserve.serving.engine.engine_config import EngineConfig
+from meshserve.serving.python_api.llm import LLM
 
 DTYPES = ("float32", "bfloat16")
 

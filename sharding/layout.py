@@ -17,11 +17,11 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from meshserve.model.runner import DeviceLayout
+from meshserve.model.executor.device_layout import DeviceLayout
 from meshserve.sharding.experts import split_experts
+from meshserve.sharding.head_padding import pad_heads
 from meshserve.sharding.mesh import MeshConfig
-from meshserve.sharding.padding import pad_heads
-from meshserve.sharding.stages import pad_layers
+from meshserve.sharding.pipeline_stages import pad_layers
 from meshserve.sharding.rules import DEFAULT_RULES, KV_CACHE_AXES, ROW_AXIS, ShardingRules
 
 

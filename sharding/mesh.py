@@ -5,7 +5,8 @@ The three axes, outermost first:
     data    replicas. Each owns a slice of the batch rows and of the KV page pool, and a full copy
             of the weights (split over `model`).
     stage   pipeline stages over the layer stack: each holds a contiguous share of the layers
-            and their KV pages (`meshserve.sharding.stages`, `meshserve.model.pipeline`).
+            and their KV pages (`meshserve.sharding.pipeline_stages`,
+            `meshserve.model.executor.pipeline_runner`).
     model   tensor parallelism: heads, MLP width and vocabulary split Megatron-style.
 
 The mesh is always three-dimensional, with size-1 axes where a strategy is off, so the same
@@ -85,7 +86,7 @@ class MeshConfig:
             raise ValueError(f"mesh {self}: {config.name} has {config.num_layers} layers, fewer "
                              f"than its {self.stage} pipeline stages; use stage <= "
                              f"{config.num_layers}")
-        # Heads that do not divide are padded (meshserve.sharding.padding); GPT-2 has no
+        # Heads that do not divide are padded (meshserve.sharding.head_padding); GPT-2 has no
         # grouped-query attention to pad within, so its heads must divide.
         if config.arch == "gpt2" and config.num_heads % self.model:
             raise ValueError(f"mesh {self}: {config.name} has {config.num_heads} heads, which do "

@@ -1,6 +1,9 @@
 """The mesh planner: an analytic cost model of serving a model on each (data, stage, model) mesh
 of some devices, and a ranking of those meshes against a workload and its latency SLOs.
 
+It stays one file past 600 lines on purpose: a third of it is the cost model written out below,
+and each function computes one term of it, so the formulas and their code are read side by side.
+
 Nothing here runs a model: every figure is counted from the config, meshserve's sharding rules
 and a `HardwareSpec`. Per device, for the mesh's largest pipeline stage:
 
@@ -8,7 +11,7 @@ and a `HardwareSpec`. Per device, for the mesh's largest pipeline stage:
                   and `expert` dimensions split over `model` when they divide (otherwise
                   replicated, as
                   `meshserve.sharding.rules` does), its `layers` dimension cut to ceil(L / stage);
-                  kv heads padded up to a multiple of `model` (`meshserve.sharding.padding`)
+                  kv heads padded up to a multiple of `model` (`meshserve.sharding.head_padding`)
     KV / token    2 * (K' / model) * head_dim * bytes * ceil(L / stage)
     max batch     data * floor((hbm * (1 - headroom) - weights) / (KV / token * context)),
                   context = prompt + output rounded up to whole pages
@@ -58,6 +61,10 @@ all-reduces per layer) equal this module's, which `tests/sharding/test_planner.p
 against the partitioned HLO on fake devices. The planner mirrors the rules table and the head
 padding rather than importing them, because both modules import jax; the tests pin the mirror.
 
+It is one piece (over 600 lines) because it is one cost model: each section computes a term of
+the formulas above from the same mirrors of the rules and the padding, and its callers and tests
+read them as one module.
+
 This module imports neither jax nor flax: it is plain Python.
 """
 
@@ -66,9 +73,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from meshserve.model.canonical import expected_shapes
 from meshserve.model.config import (PRESETS, ModelConfig, MoeConfig, bytes_per_element,
                                     kv_bytes_per_token, weight_bytes)
-from meshserve.model.loaders import expected_shapes
+from meshserve.model.families import config_from_hf
 from meshserve.sharding.hardware import HardwareSpec
 
 # Seconds every collective costs on top of its bytes: kernel launch and synchronisation. An
@@ -88,7 +96,7 @@ DEFAULT_HEADROOM = 0.1
 # is split over `stage`, in contiguous shares (`stage_config`).
 MODEL_SPLIT_AXES = ("heads", "kv_heads", "ffw", "vocab", "expert")
 # The logical axes of every weight, as `meshserve.model.layers.param` declares them, by the
-# canonical key that `meshserve.model.loaders.expected_shapes` lists with its shape.
+# canonical key that `meshserve.model.canonical.expected_shapes` lists with its shape.
 WEIGHT_AXES: dict[str, tuple[str, ...]] = {
     "embed/embedding": ("vocab", "embed"),
     "pos_embed/embedding": ("positions", "embed"),
@@ -130,10 +138,10 @@ WEIGHT_AXES: dict[str, tuple[str, ...]] = {
 EXPERT_WEIGHTS = ("layers/mlp/experts/gate", "layers/mlp/experts/up", "layers/mlp/experts/down")
 GATHERED_TABLES = ("pos_embed/embedding",)  # read by row, never streamed whole
 
-# Shapes meshserve has no preset for, built with `ModelConfig.from_hf` from the published HF
+# Shapes meshserve has no preset for, built with `config_from_hf` from the published HF
 # config.json (meta-llama/Meta-Llama-3-8B), for planning only.
 PLANNING_MODELS: dict[str, ModelConfig] = {
-    "llama-3-8b": ModelConfig.from_hf({
+    "llama-3-8b": config_from_hf({
         "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
         "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
         "vocab_size": 128256, "max_position_embeddings": 8192, "rope_theta": 500000.0,
@@ -259,7 +267,7 @@ def mesh_shapes(num_devices: int) -> list[MeshShape]:
 
 
 def padded_head_counts(config: ModelConfig, model_size: int) -> tuple[int, int]:
-    """(num_heads, num_kv_heads) after `meshserve.sharding.padding` pads the kv heads up to a
+    """(num_heads, num_kv_heads) after `meshserve.sharding.head_padding` pads the kv heads up to a
     multiple of `model_size` (the same formula; that module imports jax)."""
     kv_heads = -(-config.num_kv_heads // model_size) * model_size
     return kv_heads * (config.num_heads // config.num_kv_heads), kv_heads

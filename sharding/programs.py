@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import jax
 
-from meshserve.model.pipeline import PipelineRunner
-from meshserve.model.runner import ModelRunner, to_devices
+from meshserve.model.executor.pipeline_runner import PipelineRunner
+from meshserve.model.executor.runner import ModelRunner, to_devices
 
 
 def step_arguments(runner: ModelRunner, key: tuple[int, int]) -> tuple:

@@ -25,7 +25,7 @@ every expert's width instead.
 
 A dimension that does not divide over its mesh axis is replicated instead (correct, but it costs
 memory); `ShardingRules.spec` reports which. Heads are the exception: they are padded to divide
-(`meshserve.sharding.padding`), because replicating them would replicate the whole attention.
+(`meshserve.sharding.head_padding`), because replicating them would replicate the whole attention.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ def golden_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_files():
-    from meshserve.model.hub import resolve_model
+    from meshserve.model.loading.hub import resolve_model
 
     return resolve_model("smollm2-135m-instruct")
 
@@ -29,7 +29,7 @@ def smollm2_files():
 @pytest.fixture(scope="session")
 def smollm2_pretrained(smollm2_files):
     """The real SmolLM2-135M-Instruct (config, model, tokenizer) in float32, loaded once."""
-    from meshserve.model.pretrained import load_pretrained
+    from meshserve.model.loading.pretrained import load_pretrained
 
     return load_pretrained(str(smollm2_files.path))
 

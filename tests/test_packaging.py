@@ -20,7 +20,7 @@ SOURCES = ("pyproject.toml", "README.md", "batching", "model", "serving", "shard
 REQUIRED = (
     "meshserve/serving/bench/data/json_schemas.json",
     "meshserve/serving/examples/demo_prompts.jsonl",
-    "meshserve/serving/proto/meshserve/v1/generation.proto",
+    "meshserve/serving/grpc_api/proto/meshserve/v1/generation.proto",
 )
 
 
@@ -123,7 +123,7 @@ def _gpu_check_install_only(offline: Path, cache: Path) -> subprocess.CompletedP
 
 
 def test_gpu_check_joins_the_model_parts_where_the_hub_finds_them(tmp_path):
-    from meshserve.model.hub import DEFAULT_MODEL, resolve_model
+    from meshserve.model.loading.hub import DEFAULT_MODEL, resolve_model
 
     data = b"GGUF" + os.urandom(50_001)
     _parted(tmp_path / "offline", data, 3)

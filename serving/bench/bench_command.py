@@ -10,12 +10,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from meshserve.batching.config import ORDERINGS
-from meshserve.model.hub import resolve_model
-from meshserve.model.quant import weight_bytes
+from meshserve.batching.knobs import ORDERINGS
+from meshserve.model.loading.hub import resolve_model
+from meshserve.model.quantized_weights import weight_bytes
 from meshserve.serving import options
-from meshserve.serving.bench import bench, latency, result_files
-from meshserve.serving.llm import LLM
+from meshserve.serving.bench import bench, latency, result_files, structured_cost, workloads
+from meshserve.serving.python_api.llm import LLM
 
 HELP = "continuous vs static batching, side by side"
 
@@ -197,13 +197,11 @@ def _plots_to(args: argparse.Namespace, output: Path | None) -> tuple[Path, str]
 def _run_structured(args: argparse.Namespace, source: result_files.Provenance | None,
                     output: Path | None) -> None:
     """`--structured` or `--schema-validity`: structured output's cost, or its validity."""
-    from meshserve.serving.bench import structured
-
     if args.mode != "offline":
         raise ValueError("--structured and --schema-validity run offline only")
     llm = options.load_llm(args, needs_tokenizer=True, warmup=True)
     if args.schema_validity is not None:
-        results = structured.schema_validity(
+        results = structured_cost.schema_validity(
             llm.engine, structured.load_schemas(args.schema_validity or None))
         for temperature, row in results["temperatures"].items():
             print(f"temperature {temperature}: {row['valid']}/{row['requests']} outputs parse "
@@ -211,7 +209,7 @@ def _run_structured(args: argparse.Namespace, source: result_files.Provenance | 
             for failure in row["failures"]:
                 print(f"  {failure['name']}: {failure['error']} ({failure['finish_reason']})")
     else:
-        results = structured.compare_structured(llm.engine, _bench_requests(args, llm),
+        results = structured_cost.compare_structured(llm.engine, _bench_requests(args, llm),
                                                 progress=args.progress and sys.stderr.isatty())
         for name in ("unconstrained", "constrained"):
             print(f"{name:<14} {results[name]['output_tokens_per_s']:8.1f} output tok/s "
@@ -256,12 +254,12 @@ def _bench_requests(args: argparse.Namespace, llm: LLM) -> list:
         if args.num_requests is not None:
             raise ValueError("--num-requests applies to generated workloads; a JSONL file runs "
                              "every line")
-        return bench.load_jsonl_workload(args.workload.removeprefix("jsonl:"),
+        return workloads.load_jsonl_workload(args.workload.removeprefix("jsonl:"),
                                          tokenizer=llm.tokenizer,
                                          vocab_size=llm.model_config.vocab_size,
                                          default_max_tokens=args.max_tokens)
     num_requests = args.num_requests or (16 if args.quick else 64)
-    requests = bench.make_workload(args.workload, num_requests=num_requests,
+    requests = workloads.make_workload(args.workload, num_requests=num_requests,
                                    vocab_size=llm.model_config.vocab_size, seed=args.seed)
     if args.quick:  # short, and within max_model_len
         max_len = llm.engine.config.max_model_len

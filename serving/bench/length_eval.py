@@ -144,7 +144,7 @@ def generate_smollm2_dataset(num_prompts: int, *, seed: int = 0, max_tokens: int
                              max_num_seqs: int = 16) -> list[LengthSample]:
     """Greedy SmolLM2-135M-Instruct answers to `chat_prompts`, without ignore_eos: each sample's
     length is where the model stopped, or max_tokens."""
-    from meshserve.serving.llm import LLM  # loads the engine only when generating
+    from meshserve.serving.python_api.llm import LLM  # loads the engine only when generating
 
     # no warm-up: only the buckets this run uses are compiled
     llm = LLM("smollm2-135m-instruct", max_num_seqs=max_num_seqs, max_model_len=512,

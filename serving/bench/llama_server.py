@@ -39,13 +39,11 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from meshserve.serving.bench import latency, llama_server_build, loadgen
 from meshserve.serving.bench.peers import PeerUnavailable, model_files
-
-if TYPE_CHECKING:  # bench imports jax; this module needs none
-    from meshserve.serving.bench.bench import BenchRequest
+from meshserve.serving.bench.workloads import BenchRequest
 
 NAME = "llama-server"
 START_TIMEOUT_S = 180.0   # loading the model and the server's own warm-up

@@ -18,7 +18,7 @@ Invariants:
 * Layout: `<cache>/llama-server/<key>/<variant>/bin/` holds each variant's binaries and
   `<variant>/build.log` its last build's log; `<key>/build.json` (`RECORD_NAME`) records every
   attempt (cmake options, extra C/C++ flags, the smoke test's command and outcome, the signal)
-  and the variant in use. `<cache>` is meshserve's cache root (`meshserve.model.hub.cache_root`)
+  and the variant in use. `<cache>` is meshserve's cache root (`meshserve.model.loading.hub.cache_root`)
   and `<key>` the sdist version, the machine and a digest of the CPU's feature flags (a native
   build may not run on another CPU).
 * A binary is used only when the record names its variant as passed with the variant's current
@@ -56,7 +56,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from meshserve.model.hub import cache_root
+from meshserve.model.loading.hub import cache_root
 from meshserve.serving.bench.peers import NO_AMX_FLAGS, PeerUnavailable
 
 LLAMA_CPP_SDIST_VERSION = "0.3.36"
@@ -207,7 +207,7 @@ def missing_build_tools() -> list[str]:
 def ensure_built(cache_dir: str | os.PathLike | None = None, *, model: str | os.PathLike,
                  log: Callable[[str], None] = print, jobs: int | None = None) -> Path:
     """The path of a `llama-server` whose build passed its smoke test, building and testing
-    each of `BUILD_VARIANTS` in turn (about 9 minutes each on 2 cores) unless one is cached.
+    each of `BUILD_VARIANTS` in turn unless one is cached (each build takes minutes).
     `model` (a GGUF file) is what the smoke test decodes."""
     cached = cached_binary("llama-server", cache_dir)
     if cached is not None:

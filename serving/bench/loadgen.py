@@ -38,18 +38,16 @@ import contextlib
 import dataclasses
 import json
 import time
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import grpc
 import numpy as np
 from tqdm.auto import tqdm
 
-from meshserve.serving.client import (AsyncClient, AsyncStream, ClientError, Completion,
-                                      StreamChunk)
+from meshserve.serving.grpc_api.client import (AsyncClient, AsyncStream, ClientError, Completion,
+                                               StreamChunk)
 from meshserve.serving.bench.latency import RequestTiming
-
-if TYPE_CHECKING:  # bench imports jax; the load generator itself needs none
-    from meshserve.serving.bench.bench import BenchRequest
+from meshserve.serving.bench.workloads import BenchRequest
 
 _CONNECT_TIMEOUT = 10.0  # seconds the pre-run health check may take
 

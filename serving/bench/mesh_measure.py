@@ -32,8 +32,8 @@ import jax
 import numpy as np
 
 from meshserve.batching.sampling import SamplingParams
-from meshserve.serving.config import EngineConfig
-from meshserve.serving.engine import Engine
+from meshserve.serving.engine.engine_config import EngineConfig
+from meshserve.serving.engine.core import Engine
 from meshserve.serving.bench.roofline import median_seconds
 from meshserve.sharding.hlo import (COLLECTIVES, Hlo, add_tallies, executed_collectives,
                                     static_collectives)

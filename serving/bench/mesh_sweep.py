@@ -49,11 +49,11 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from meshserve.model.pretrained import Pretrained, load_pretrained
+from meshserve.model.loading.pretrained import Pretrained, load_pretrained
 from meshserve.serving import options
-from meshserve.serving.bench import bench, mesh_measure, result_files, roofline
-from meshserve.serving.config import EngineConfig
-from meshserve.serving.engine import Engine
+from meshserve.serving.bench import bench, mesh_measure, result_files, roofline, workloads
+from meshserve.serving.engine.engine_config import EngineConfig
+from meshserve.serving.engine.core import Engine
 from meshserve.sharding import planner
 from meshserve.sharding.hardware import HardwareSpec
 from meshserve.sharding.mesh import MeshConfig
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     meshes = _check_args(args)
     source, output = result_files.prepare_output(args.output, allow_dirty=args.allow_dirty)
     if output or args.plots_dir:
-        from meshserve.serving.bench import mesh_sweep_plots
+        from meshserve.serving.bench import mesh_sweep_plots  # matplotlib: only when plotting
 
         directory = args.plots_dir or output.parent
         stem = output.stem if output else "mesh-sweep"
@@ -191,15 +191,15 @@ def mesh_label(mesh: MeshConfig) -> str:
 
 
 def sweep_requests(args: argparse.Namespace, pretrained: Pretrained, *,
-                   max_model_len: int) -> list[bench.BenchRequest]:
+                   max_model_len: int) -> list[workloads.BenchRequest]:
     """The workload, as `meshserve bench` builds it; every request must fit `max_model_len`."""
     vocab = pretrained.config.vocab_size
     if args.workload.startswith("jsonl:"):
-        requests = bench.load_jsonl_workload(args.workload.removeprefix("jsonl:"),
+        requests = workloads.load_jsonl_workload(args.workload.removeprefix("jsonl:"),
                                              tokenizer=pretrained.tokenizer, vocab_size=vocab,
                                              default_max_tokens=args.max_tokens)
     else:
-        requests = bench.make_workload(args.workload, num_requests=args.num_requests,
+        requests = workloads.make_workload(args.workload, num_requests=args.num_requests,
                                        vocab_size=vocab, seed=args.seed)
     longest = max(len(r.prompt_token_ids) + r.num_output_tokens for r in requests)
     if longest > max_model_len:
@@ -212,7 +212,7 @@ def sweep_requests(args: argparse.Namespace, pretrained: Pretrained, *,
 
 
 def measure_mesh(pretrained: Pretrained, mesh: MeshConfig, config: EngineConfig,
-                 requests: list[bench.BenchRequest], *, concurrency: int, repeats: int,
+                 requests: list[workloads.BenchRequest], *, concurrency: int, repeats: int,
                  seed: int) -> dict[str, Any]:
     """Every measurement of one mesh, or the reason it cannot run the model."""
     record: dict[str, Any] = {"mesh": mesh_label(mesh), "shape": dataclasses.asdict(mesh)}
@@ -241,7 +241,7 @@ def measure_mesh(pretrained: Pretrained, mesh: MeshConfig, config: EngineConfig,
         jax.clear_caches()
 
 
-def _step_prompts(requests: list[bench.BenchRequest], batch: int,
+def _step_prompts(requests: list[workloads.BenchRequest], batch: int,
                   config: EngineConfig) -> list[list[int]]:
     """The first `batch` prompts, cut to leave room for the decode call's tokens."""
     room = config.max_model_len - mesh_measure.decode_tokens(config)
@@ -263,7 +263,7 @@ def _serving_summary(result: dict[str, Any]) -> dict[str, Any]:
 # --- Against the planner -----------------------------------------------------------------------
 
 
-def planner_workload(requests: list[bench.BenchRequest], *, concurrency: int,
+def planner_workload(requests: list[workloads.BenchRequest], *, concurrency: int,
                      page_size: int) -> planner.Workload:
     """The planner's one request shape: the workload's mean prompt and output lengths."""
     return planner.Workload(

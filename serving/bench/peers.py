@@ -48,7 +48,7 @@ from types import ModuleType
 from typing import Any, Protocol
 
 from meshserve.model.config import PRESETS
-from meshserve.model.hub import ModelFiles, ModelNotFoundError, known_models, resolve_model
+from meshserve.model.loading.hub import ModelFiles, ModelNotFoundError, known_models, resolve_model
 
 PEERS = ("hf", "llama-cpp")
 GGUF_PEERS = ("llama-cpp", "llama-server")  # llama-server: `meshserve.serving.bench.llama_server`

@@ -22,7 +22,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from meshserve.batching.config import POLICY_NAMES  # noqa: E402
+from meshserve.batching.knobs import POLICY_NAMES  # noqa: E402
 
 
 def write_plots(results: dict[str, Any], directory: Path, stem: str) -> dict[str, Any]:

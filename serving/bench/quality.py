@@ -30,13 +30,13 @@ from typing import Any
 import numpy as np
 
 from meshserve.batching.sampling import SamplingParams
-from meshserve.model.hub import DEFAULT_MODEL
-from meshserve.model.pretrained import load_pretrained
-from meshserve.model.quant import quantize_model, weight_bytes
-from meshserve.model.quantization import SCHEMES
-from meshserve.serving.bench import bench, result_files
-from meshserve.serving.config import EngineConfig
-from meshserve.serving.engine import Engine
+from meshserve.model.loading.hub import DEFAULT_MODEL
+from meshserve.model.loading.pretrained import load_pretrained
+from meshserve.model.quantized_weights import quantize_model, weight_bytes
+from meshserve.model.quant_formats import SCHEMES
+from meshserve.serving.bench import bench, result_files, workloads
+from meshserve.serving.engine.engine_config import EngineConfig
+from meshserve.serving.engine.core import Engine
 
 HELP = "quantized weights against float32: logprobs, top-1, greedy tokens, perplexity"
 ENGINE = dict(num_pages=1024, max_num_seqs=16, max_num_batched_tokens=512, prefill_chunk=256,
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> None:
     reference = load_pretrained(args.model)
     if reference.tokenizer is None:
         raise ValueError(f"{args.model!r} has no tokenizer; the perplexity text needs one")
-    requests = bench.make_workload(args.workload, num_requests=args.num_prompts,
+    requests = workloads.make_workload(args.workload, num_requests=args.num_prompts,
                                    vocab_size=reference.config.vocab_size)
     prompts = [r.prompt_token_ids[:ENGINE["max_model_len"] - args.max_tokens - 1]
                for r in requests]

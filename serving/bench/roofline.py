@@ -26,7 +26,7 @@ import numpy as np
 
 from meshserve.batching.plan import sub_batch_from_rows
 from meshserve.model.config import ModelConfig, kv_bytes_per_token, weight_bytes
-from meshserve.model.runner import ModelRunner
+from meshserve.model.executor.runner import ModelRunner
 from meshserve.sharding.planner import experts_read
 
 

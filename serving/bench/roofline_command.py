@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from meshserve.model.quant import weight_bytes
+from meshserve.model.quantized_weights import weight_bytes
 from meshserve.serving import options
 from meshserve.serving.bench import bench, result_files, roofline
 

@@ -6,13 +6,13 @@ The import root. `meshserve.LLM`, `meshserve.AsyncLLM`, `meshserve.SamplingParam
 """
 
 _EXPORTS = {
-    "LLM": "meshserve.serving.llm",
-    "AsyncLLM": "meshserve.serving.async_llm",
+    "LLM": "meshserve.serving.python_api.llm",
+    "AsyncLLM": "meshserve.serving.python_api.async_llm",
     "SamplingParams": "meshserve.batching.sampling",
     "StructuredOutput": "meshserve.batching.structured",
-    "EngineConfig": "meshserve.serving.config",
-    "RequestOutput": "meshserve.serving.outputs",
-    "CompletionOutput": "meshserve.serving.outputs",
+    "EngineConfig": "meshserve.serving.engine.engine_config",
+    "RequestOutput": "meshserve.serving.engine.outputs",
+    "CompletionOutput": "meshserve.serving.engine.outputs",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -5,8 +5,8 @@ import dataclasses
 
 import pytest
 
+from meshserve.batching.knobs import DEFAULT_KV_WATERMARK, SchedulerConfig
 from meshserve.batching.pages import num_pages_for
-from meshserve.batching.config import DEFAULT_KV_WATERMARK, SchedulerConfig
 from meshserve.batching.scheduler import Scheduler
 from tests.batching.fake import FakeRunner, drive, make_request, reference_outputs, storm_requests
 

@@ -13,9 +13,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from meshserve.batching.pipeline import (DECODE, IDLE, PLACEHOLDER, PREFILL, RowRef, UnitOutputs,
-                                         UnitShape, build_schedule, unit_results)
-from meshserve.batching.config import SchedulerConfig
+from meshserve.batching.knobs import SchedulerConfig
+from meshserve.batching.pipeline_schedule import (DECODE, IDLE, PLACEHOLDER, PREFILL, RowRef,
+                                                  UnitOutputs, UnitShape, build_schedule,
+                                                  unit_results)
 from meshserve.batching.scheduler import Scheduler
 from tests.batching.fake import EMPTY, make_request, next_token, random_requests, reference_outputs
 

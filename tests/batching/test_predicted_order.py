@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from meshserve.batching.knobs import SchedulerConfig
 from meshserve.batching.length import LengthFeatures, LengthPrediction, PriorPredictor
-from meshserve.batching.config import SchedulerConfig
 from meshserve.batching.scheduler import Scheduler
 from tests.batching.fake import (FakeRunner, ScriptedRunner, drive, make_request,
                                  reference_outputs, storm_requests)

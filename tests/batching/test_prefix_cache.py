@@ -8,11 +8,11 @@ arithmetic rule run alone.
 import numpy as np
 import pytest
 
+from meshserve.batching.knobs import SchedulerConfig
 from meshserve.batching.pages import PageAllocator
 from meshserve.batching.prefix_cache import ROOT_HASH, page_hash
 from meshserve.batching.request import Request, RequestStatus
 from meshserve.batching.sampling import SamplingParams
-from meshserve.batching.config import SchedulerConfig
 from meshserve.batching.scheduler import Scheduler
 from tests.batching.fake import FakeRunner, drive, reference_outputs
 

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
+from meshserve.batching.knobs import SchedulerConfig
 from meshserve.batching.pages import num_pages_for
 from meshserve.batching.request import RequestStatus
-from meshserve.batching.config import SchedulerConfig
 from meshserve.batching.scheduler import Scheduler
 from tests.batching.fake import (FakeRunner, ScriptedRunner, drive, make_request, random_requests,
                                  reference_outputs)

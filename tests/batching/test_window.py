@@ -10,7 +10,7 @@ runner's read. So "every output equals the windowed rule run alone" checks the r
 import numpy as np
 import pytest
 
-from meshserve.batching.config import SchedulerConfig
+from meshserve.batching.knobs import SchedulerConfig
 from meshserve.batching.pages import DUMMY_PAGE
 from meshserve.batching.scheduler import Scheduler
 from tests.batching.fake import FakeRunner, drive, make_request, reference_outputs

@@ -15,8 +15,9 @@ from flax import nnx
 
 from meshserve.batching.plan import sub_batch_from_rows
 from meshserve.batching.sampling import greedy_sampling
-from meshserve.model.runner import ModelRunner, RunnerConfig
-from meshserve.model.steps import embed, forward_dense, last_logits, prompt_logprobs, ragged_layers
+from meshserve.model.executor.runner import ModelRunner, RunnerConfig
+from meshserve.model.executor.steps import (embed, forward_dense, last_logits, prompt_logprobs,
+                                            ragged_layers)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,17 +16,17 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from tokenizers import pre_tokenizers
 
-from meshserve.model import checkpoint as ckpt
-from meshserve.model.checkpoint import (check_compatible, config_from_json, config_to_json,
+from meshserve.model.loading import checkpoint as ckpt
+from meshserve.model.loading.checkpoint import (check_compatible, config_from_json, config_to_json,
                                         is_checkpoint, load_checkpoint, model_params,
                                         read_checkpoint_config, restore_params, save_checkpoint)
 from meshserve.model.config import PRESETS, ModelConfig, RopeScaling
-from meshserve.model.hub import ORBAX_MARKERS
-from meshserve.model.pretrained import load_pretrained
+from meshserve.model.loading.hub import ORBAX_MARKERS
+from meshserve.model.loading.pretrained import load_pretrained
 from meshserve.model.tokenizer import (SpecialTokens, Tokenizer, add_gguf_added_tokens,
                                        byte_level_bpe, byte_level_pre_tokenizer)
 from meshserve.model.transformer import abstract_model, model_from_params
-from meshserve.serving import cli
+from meshserve.serving.cli import main as cli
 from meshserve.sharding.layout import device_layout
 from meshserve.sharding.mesh import MeshConfig
 from tests.conftest import random_params

@@ -5,8 +5,9 @@ import math
 
 import pytest
 
+from meshserve.model.canonical import expected_shapes
 from meshserve.model.config import PRESETS, ModelConfig, RopeScaling, weight_bytes
-from meshserve.model.loaders import expected_shapes
+from meshserve.model.families import config_from_gguf, config_from_hf
 from meshserve.model.transformer import abstract_model, param_paths
 
 
@@ -52,7 +53,7 @@ def test_parameter_count_equals_a_real_checkpoint_s_tensors(golden_dir, name):
     for path in (golden_dir / name).glob("*.safetensors"):
         with safe_open(str(path), framework="numpy") as f:
             total += sum(math.prod(f.get_slice(key).get_shape()) for key in f.keys())
-    config = ModelConfig.from_hf(json.loads((golden_dir / name / "config.json").read_text()))
+    config = config_from_hf(json.loads((golden_dir / name / "config.json").read_text()))
     assert total > 0 and config.num_params == total
 
 
@@ -92,23 +93,23 @@ def test_rope_scaling_type_is_validated():
 
 
 def test_from_hf_reads_the_golden_configs(golden_dir):
-    llama = ModelConfig.from_hf(json.loads((golden_dir / "tiny-llama" / "config.json").read_text()))
+    llama = config_from_hf(json.loads((golden_dir / "tiny-llama" / "config.json").read_text()))
     assert (llama.arch, llama.num_layers, llama.num_kv_heads, llama.rope_theta) == ("llama", 3, 2,
                                                                                     50000.0)
-    scaled = ModelConfig.from_hf(
+    scaled = config_from_hf(
         json.loads((golden_dir / "tiny-llama3-rope" / "config.json").read_text()))
     assert scaled.rope_scaling.rope_type == "llama3" and scaled.tie_embeddings
-    qwen = ModelConfig.from_hf(json.loads((golden_dir / "tiny-qwen2" / "config.json").read_text()))
+    qwen = config_from_hf(json.loads((golden_dir / "tiny-qwen2" / "config.json").read_text()))
     assert qwen.qkv_bias
-    gpt2 = ModelConfig.from_hf(json.loads((golden_dir / "tiny-gpt2" / "config.json").read_text()))
+    gpt2 = config_from_hf(json.loads((golden_dir / "tiny-gpt2" / "config.json").read_text()))
     assert gpt2.arch == "gpt2" and gpt2.max_position_embeddings == 64
 
 
 def test_from_hf_rejects_unknown_model_types():
     with pytest.raises(ValueError, match="model_type 'bert' is not supported"):
-        ModelConfig.from_hf({"model_type": "bert"})
+        config_from_hf({"model_type": "bert"})
 
 
 def test_from_gguf_fields_reports_missing_keys():
     with pytest.raises(ValueError, match="missing required key 'llama.embedding_length'"):
-        ModelConfig.from_gguf_fields({"general.architecture": "llama"})
+        config_from_gguf({"general.architecture": "llama"})

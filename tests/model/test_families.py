@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from meshserve.model.checkpoint import config_from_json, config_to_json
-from meshserve.model.config import ModelConfig
-from meshserve.model.loaders import load_gguf, load_hf
+from meshserve.model.loading.checkpoint import config_from_json, config_to_json
+from meshserve.model.families import config_from_gguf, config_from_hf
+from meshserve.model.loading import load_gguf, load_hf
 from meshserve.model.transformer import model_from_params
 from tests.model.paged import PagedStepper
 
@@ -43,7 +43,7 @@ def _dense_logits(config, params, input_ids) -> np.ndarray:
 
 
 def test_each_family_config_turns_on_its_switches(golden_dir):
-    qwen3, gemma2, gemma3, phi3 = (ModelConfig.from_hf(_hf_config(golden_dir, f))
+    qwen3, gemma2, gemma3, phi3 = (config_from_hf(_hf_config(golden_dir, f))
                                    for f in FAMILIES)
     assert qwen3.qk_norm and not qwen3.sandwich_norms and qwen3.tie_embeddings
     assert (qwen3.sliding_window, qwen3.norm_kind, qwen3.mlp_activation) == (0, "rms", "silu")
@@ -72,7 +72,7 @@ def test_gemma_keys_left_out_take_hf_defaults(family, want, golden_dir):
     left_out = ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
                 "sliding_window")
     hf = {k: v for k, v in _hf_config(golden_dir, family).items() if k not in left_out}
-    config = ModelConfig.from_hf(hf)
+    config = config_from_hf(hf)
     assert (config.query_pre_attn_scalar, config.attn_logit_softcap,
             config.final_logit_softcap, config.sliding_window) == want
 
@@ -85,7 +85,7 @@ def test_gemma3_config_reads_the_same_in_transformers_4_spelling(golden_dir):
                                                                    "layer_types")}
     v4 |= {"rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
            "rope_scaling": {"rope_type": "linear", "factor": 2.0}, "sliding_window_pattern": 3}
-    assert ModelConfig.from_hf(v4) == ModelConfig.from_hf(v5)
+    assert config_from_hf(v4) == config_from_hf(v5)
 
 
 def test_phi3_config_reads_the_same_in_transformers_5_spelling(golden_dir):
@@ -94,12 +94,12 @@ def test_phi3_config_reads_the_same_in_transformers_5_spelling(golden_dir):
                 partial_rotary_factor=0.75, original_max_position_embeddings=16)
     v5 = {key: value for key, value in v4.items()
           if key not in ("rope_scaling", "rope_theta", "partial_rotary_factor")}
-    assert ModelConfig.from_hf(v5 | {"rope_parameters": rope}) == ModelConfig.from_hf(v4)
+    assert config_from_hf(v5 | {"rope_parameters": rope}) == config_from_hf(v4)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_configs_round_trip_through_a_checkpoint_config(family, golden_dir):
-    config = ModelConfig.from_hf(_hf_config(golden_dir, family)).for_context(64)
+    config = config_from_hf(_hf_config(golden_dir, family)).for_context(64)
     assert config_from_json(config_to_json(config)) == config
 
 
@@ -109,8 +109,8 @@ def test_qwen_sliding_window_follows_use_sliding_window(family, golden_dir):
     config.json has no layer_types)."""
     hf = {key: value for key, value in _hf_config(golden_dir, family).items()
           if key != "layer_types"} | {"sliding_window": 8, "max_window_layers": 1}
-    assert ModelConfig.from_hf(hf).sliding_window == 0  # use_sliding_window is false
-    windowed = ModelConfig.from_hf(hf | {"use_sliding_window": True})
+    assert config_from_hf(hf).sliding_window == 0  # use_sliding_window is false
+    windowed = config_from_hf(hf | {"use_sliding_window": True})
     assert windowed.layer_types == ("full",) + ("sliding",) * (hf["num_hidden_layers"] - 1)
 
 
@@ -120,19 +120,19 @@ def test_qwen_sliding_window_follows_use_sliding_window(family, golden_dir):
 ])
 def test_unsupported_families_are_refused_by_name(hf, message):
     with pytest.raises(ValueError, match=message):
-        ModelConfig.from_hf(hf)
+        config_from_hf(hf)
 
 
 def test_an_encoder_gemma_is_refused(golden_dir):
     hf = _hf_config(golden_dir, "tiny-gemma3") | {"use_bidirectional_attention": True}
     with pytest.raises(ValueError, match="bidirectional.*causal decoders only"):
-        ModelConfig.from_hf(hf)
+        config_from_hf(hf)
 
 
 @pytest.mark.parametrize("arch", ["gemma", "phi2", "command-r"])
 def test_gguf_architectures_outside_the_families_are_refused_by_name(arch):
     with pytest.raises(ValueError, match=f"GGUF architecture '{arch}' is not supported"):
-        ModelConfig.from_gguf_fields({"general.architecture": arch})
+        config_from_gguf({"general.architecture": arch})
 
 
 def test_gemma_gguf_query_scale_follows_llama_cpp_without_a_scale_key():
@@ -140,9 +140,9 @@ def test_gemma_gguf_query_scale_follows_llama_cpp_without_a_scale_key():
               "gemma2.attention.head_count": 32, "gemma2.attention.head_count_kv": 16,
               "gemma2.attention.key_length": 128, "gemma2.feed_forward_length": 36864,
               "gemma2.block_count": 46, "gemma2.vocab_size": 256000}
-    assert ModelConfig.from_gguf_fields(fields).query_pre_attn_scalar == 144  # 27B: D / H
+    assert config_from_gguf(fields).query_pre_attn_scalar == 144  # 27B: D / H
     smaller = fields | {"gemma2.block_count": 42, "gemma2.embedding_length": 3584}
-    assert ModelConfig.from_gguf_fields(smaller).query_pre_attn_scalar == 128  # head_dim
+    assert config_from_gguf(smaller).query_pre_attn_scalar == 128  # head_dim
 
 
 # --- LongRoPE -----------------------------------------------------------------------------------
@@ -161,10 +161,10 @@ def test_phi3_short_factors_match_hf(golden_dir):
 
 def test_longrope_takes_the_long_factors_when_the_served_context_exceeds_the_original(
         golden_dir):
-    config = ModelConfig.from_hf(_hf_config(golden_dir, "tiny-phi3"))
+    config = config_from_hf(_hf_config(golden_dir, "tiny-phi3"))
     assert not config.for_context(16).rope_scaling.long_context
     assert config.for_context(17).rope_scaling.long_context
-    qwen3 = ModelConfig.from_hf(_hf_config(golden_dir, "tiny-qwen3"))
+    qwen3 = config_from_hf(_hf_config(golden_dir, "tiny-qwen3"))
     assert qwen3.for_context(100) == qwen3
 
 

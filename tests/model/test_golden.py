@@ -17,11 +17,11 @@ import json
 import numpy as np
 import pytest
 
-from meshserve.model.loaders import load_hf
-from meshserve.model.runner import ModelRunner, RunnerConfig
+from meshserve.model.executor.runner import ModelRunner, RunnerConfig
+from meshserve.model.loading import load_hf
 from meshserve.model.transformer import model_from_params
-from meshserve.serving.config import EngineConfig
-from meshserve.serving.generate import generate_greedy
+from meshserve.serving.engine.engine_config import EngineConfig
+from meshserve.serving.engine.greedy_reference import generate_greedy
 from tests.model.paged import PagedStepper
 
 TINY_MODELS = ["tiny-llama", "tiny-llama3-rope", "tiny-qwen2", "tiny-gpt2",
@@ -65,10 +65,11 @@ def smollm2_golden(golden_dir):
 
 
 def _smollm2_kept_blocks(smollm2_files, scheme: str, bits: int):
-    """SmolLM2 with its Q4_1 kernels kept as quantized blocks (`meshserve.model.quant`), where
-    `smollm2_pretrained` dequantizes them to float32."""
-    from meshserve.model.pretrained import load_pretrained
-    from meshserve.model.quant import quantized_arrays
+    """SmolLM2 with its Q4_1 kernels kept as quantized blocks
+    (`meshserve.model.quantized_kernel`), where `smollm2_pretrained` dequantizes them to
+    float32."""
+    from meshserve.model.loading.pretrained import load_pretrained
+    from meshserve.model.quantized_weights import quantized_arrays
 
     model = load_pretrained(str(smollm2_files.path), quantization=scheme).model
     assert {q.format.bits for q in quantized_arrays(model).values()} == {bits}, scheme
@@ -112,7 +113,7 @@ def test_smollm2_greedy_matches_hf(weights, request, smollm2_golden):
 def test_smollm2_bfloat16_tracks_hf(smollm2_files, smollm2_golden):
     import jax
 
-    from meshserve.model.pretrained import load_pretrained
+    from meshserve.model.loading.pretrained import load_pretrained
 
     if jax.default_backend() != "gpu":
         pytest.skip("bfloat16 parity runs on a GPU (scripts/gpu_check.sh); the CPU serves f32")

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from meshserve.model import hub
-from meshserve.model.hub import (
+from meshserve.model.loading import hub
+from meshserve.model.loading.hub import (
     ModelFetchError,
     ModelFiles,
     ModelNotFoundError,

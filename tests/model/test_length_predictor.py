@@ -8,8 +8,8 @@ import pytest
 
 from meshserve.batching.length import FeatureConfig, PriorPredictor, extract_features
 from meshserve.batching.sampling import SamplingParams
+from meshserve.model.executor.runner import CompileCounter
 from meshserve.model.length_predictor import LearnedPredictor, PredictorConfig
-from meshserve.model.runner import CompileCounter
 from meshserve.serving.bench.length_eval import (MarginalPredictor, evaluate,
                                                  planted_length_workload, sample_features, split)
 

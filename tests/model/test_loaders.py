@@ -1,4 +1,4 @@
-"""Tests for meshserve.model.loaders: GGUF and HF safetensors checkpoints -> canonical params.
+"""Tests for meshserve.model.loading: GGUF and HF safetensors checkpoints -> canonical params.
 
 Checkpoints are built here with numpy, safetensors and gguf.GGUFWriter, so the layouts are
 checked against independently written reference conversions; the real SmolLM2 GGUF and the
@@ -19,16 +19,11 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from meshserve.model import loaders
+from meshserve.model.canonical import check_params, expected_shapes
 from meshserve.model.config import ModelConfig
-from meshserve.model.loaders import (
-    check_params,
-    expected_shapes,
-    load_gguf,
-    load_hf,
-    load_weights,
-    unpermute_rows,
-)
+from meshserve.model.families.llama import unpermute_rows
+from meshserve.model.loading import gguf_files as loaders
+from meshserve.model.loading import load_gguf, load_hf, load_weights
 
 GOLDEN = Path(__file__).parents[1] / "golden"
 GGML = gguf.GGMLQuantizationType
@@ -787,7 +782,7 @@ def test_load_weights_dispatches_by_kind(tmp_path):
 
 
 def test_load_weights_accepts_hub_model_files(tmp_path):
-    from meshserve.model.hub import resolve_model
+    from meshserve.model.loading.hub import resolve_model
 
     directory = write_hf(tmp_path / "hf", LLAMA_HF, hf_llama_tensors(LLAMA_HF))
     config, _ = load_weights(resolve_model(str(directory)))
@@ -811,7 +806,7 @@ def test_load_weights_rejects_a_file_of_unknown_kind(tmp_path):
 
 @pytest.fixture(scope="module")
 def smollm2_path() -> Path:
-    from meshserve.model.hub import resolve_model
+    from meshserve.model.loading.hub import resolve_model
 
     return resolve_model("smollm2-135m-instruct").path
 

@@ -22,8 +22,9 @@ from safetensors.numpy import load_file
 
 from meshserve.model import moe
 from meshserve.model.config import ModelConfig, MoeConfig
-from meshserve.model.loaders import load_gguf, load_hf
-from meshserve.model.steps import forward_dense
+from meshserve.model.executor.steps import forward_dense
+from meshserve.model.families import config_from_gguf, config_from_hf
+from meshserve.model.loading import load_gguf, load_hf
 from meshserve.model.transformer import model_from_params
 from tests.model.test_loaders import llamacpp_permute, write_gguf
 
@@ -252,12 +253,12 @@ def _hf_mixtral(golden_dir) -> dict:
 ])
 def test_configs_meshserve_cannot_run_are_refused_by_name(golden_dir, change, message):
     with pytest.raises(ValueError, match=message):
-        ModelConfig.from_hf(_hf_mixtral(golden_dir) | change)
+        config_from_hf(_hf_mixtral(golden_dir) | change)
 
 
 def test_gguf_architectures_without_a_mapping_are_refused_by_name():
     with pytest.raises(ValueError, match="GGUF architecture 'deepseek2' is not supported"):
-        ModelConfig.from_gguf_fields({"general.architecture": "deepseek2"})
+        config_from_gguf({"general.architecture": "deepseek2"})
 
 
 def test_a_checkpoint_missing_an_expert_names_the_tensor(golden_dir, tmp_path):
@@ -273,7 +274,7 @@ def test_a_checkpoint_missing_an_expert_names_the_tensor(golden_dir, tmp_path):
 
 
 def test_moe_config_round_trips_through_a_checkpoints_json():
-    from meshserve.model.checkpoint import config_from_json, config_to_json
+    from meshserve.model.loading.checkpoint import config_from_json, config_to_json
 
     config = ModelConfig.preset("tiny-mixtral", qk_norm=True)
     assert config_from_json(config_to_json(config)) == config

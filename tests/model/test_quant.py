@@ -13,14 +13,15 @@ import pytest
 from flax import nnx
 
 from meshserve.model.config import ModelConfig
-from meshserve.model.gguf_blocks import BLOCK_TYPES, decode_blocks
+from meshserve.model.executor.steps import forward_dense
 from meshserve.model.layers import Dense
-from meshserve.model.loaders import load_gguf
-from meshserve.model.quant import (QuantizedKernel, quantize_model, quantized_arrays,
-                                   quantized_matmul, scheme_plans, weight_bytes)
-from meshserve.model.quantization import (QuantFormat, QuantizedArray, auto_keep_bits,
-                                          dequantize, from_codes, quantize, scheme_format)
-from meshserve.model.steps import forward_dense
+from meshserve.model.loading import load_gguf
+from meshserve.model.loading.gguf_blocks import BLOCK_TYPES, decode_blocks
+from meshserve.model.loading.pretrained import scheme_plans
+from meshserve.model.quant_formats import (QuantFormat, QuantizedArray, auto_keep_bits, dequantize,
+                                           from_codes, quantize, scheme_format)
+from meshserve.model.quantized_kernel import QuantizedKernel, quantized_matmul
+from meshserve.model.quantized_weights import quantize_model, quantized_arrays, weight_bytes
 from meshserve.model.transformer import create_model, model_from_params
 from tests.model.test_loaders import (gguf_llama_metadata, gguf_llama_tensors,
                                       hf_llama_tensors, write_gguf)

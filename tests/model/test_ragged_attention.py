@@ -13,12 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshserve.model.attention import (ATTENTION_BACKENDS, DEFAULT_SPEC, AttentionSpec,
-                                       RaggedBatch, choose_backend, dense_attention,
-                                       ragged_attention_pallas_gpu, ragged_meta, window_mask,
-                                       write_kv)
+from meshserve.model.attention import (ATTENTION_BACKENDS, DEFAULT_SPEC, AttentionSpec, RaggedBatch,
+                                       choose_backend, dense_attention, ragged_attention_pallas_gpu,
+                                       ragged_meta, window_mask, write_kv)
 from meshserve.model.config import ModelConfig
-from meshserve.model.runner import RunnerConfig
+from meshserve.model.executor.runner import RunnerConfig
 
 PAGE_SIZE, HEADS, KV_HEADS, HEAD_DIM, BLOCK_PAGES, MAX_PAGES = 4, 6, 2, 16, 2, 16
 # (cached tokens, new tokens) per sequence: a decode, a chunk after 21 cached tokens (three

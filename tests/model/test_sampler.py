@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from meshserve.batching.sampling import COLUMNS, SamplingArrays, greedy_sampling
-from meshserve.model.sampler import apply_penalties, device_sampling, sample
+from meshserve.model.executor.sampler import apply_penalties, device_sampling, sample
 
 _SAMPLE = jax.jit(sample, static_argnames="num_top_logprobs")
 _PENALISE = jax.jit(apply_penalties)

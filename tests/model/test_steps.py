@@ -8,7 +8,7 @@ import pytest
 
 from meshserve.batching.plan import sub_batch_from_rows
 from meshserve.model.config import ModelConfig
-from meshserve.model.runner import CompileCounter, ModelRunner, RunnerConfig
+from meshserve.model.executor.runner import CompileCounter, ModelRunner, RunnerConfig
 from meshserve.model.transformer import model_from_params
 from tests.conftest import random_params
 from tests.model.paged import PagedStepper
@@ -135,7 +135,7 @@ def test_bfloat16_model_tracks_float32():
 
 
 def test_compile_counter_counts_programs_loaded_from_the_persistent_cache_once(tmp_path):
-    from meshserve.model.runner import enable_compilation_cache
+    from meshserve.model.executor.runner import enable_compilation_cache
 
     previous = jax.config.jax_compilation_cache_dir
     enable_compilation_cache(tmp_path)

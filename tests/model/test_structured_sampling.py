@@ -10,7 +10,7 @@ import numpy as np
 
 from meshserve.batching.sampling import greedy_sampling
 from meshserve.batching.structured import allowed_ids, mask_words
-from meshserve.model.sampler import device_sampling, sample
+from meshserve.model.executor.sampler import device_sampling, sample
 
 _SAMPLE = jax.jit(sample, static_argnames="num_top_logprobs")
 _ROWS, _VOCAB = 8, 40

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from meshserve.model import tokenizer as tokenizer_module
-from meshserve.model.hub import resolve_model
+from meshserve.model.loading.hub import resolve_model
 from meshserve.model.tokenizer import IncrementalDecoder, Tokenizer, gguf_pre_tokenizer
 
 GOLDEN_PATH = Path(__file__).parents[1] / "golden" / "smollm2_tokenizer.json"

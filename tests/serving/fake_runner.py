@@ -1,5 +1,6 @@
-"""An arithmetic runner that keeps the engine's runner contract (`meshserve.batching.runner`), so
-engine and server tests assert exact streams with no model and nothing to compile.
+"""An arithmetic runner that keeps the engine's runner contract
+(`meshserve.batching.runner_protocol`), so engine and server tests assert exact streams with no
+model and nothing to compile.
 
 It runs plans on the scheduler tests' fake paged cache (`tests/batching/fake.py`): each real row
 writes its new tokens through its page table, reads its whole context back through it, and its
@@ -17,9 +18,9 @@ from __future__ import annotations
 import numpy as np
 
 from meshserve.batching.plan import StepPlan, SubBatchPlan
-from meshserve.batching.runner import SampledRows
+from meshserve.batching.runner_protocol import SampledRows
 from meshserve.model.config import ModelConfig
-from meshserve.serving.config import EngineConfig
+from meshserve.serving.engine.engine_config import EngineConfig
 from tests.batching.fake import VOCAB, FakeRunner, reference_outputs  # noqa: F401
 
 MODEL = ModelConfig(name="fake-arithmetic", vocab_size=VOCAB, hidden_size=8, intermediate_size=8,

@@ -39,8 +39,8 @@ def main() -> None:
 
     import jax
 
-    from meshserve.serving.llm import LLM
-    from meshserve.serving.multihost import ClusterConfig
+    from meshserve.serving.python_api.llm import LLM
+    from meshserve.serving.engine.multihost import ClusterConfig
 
     cluster = ClusterConfig(coordinator=args.coordinator, num_processes=args.num_processes,
                             process_id=args.process_id, peer_timeout=args.peer_timeout)

@@ -7,9 +7,9 @@ import time
 
 import numpy as np
 
-from meshserve.serving.engine import Engine
-from meshserve.serving.loop import EngineLoop
-from meshserve.serving.server import GenerationServer
+from meshserve.serving.engine.core import Engine
+from meshserve.serving.engine.loop import EngineLoop
+from meshserve.serving.grpc_api.server import GenerationServer
 
 ENGINE = dict(num_pages=64, page_size=16, max_num_seqs=8, max_num_batched_tokens=64,
               prefill_chunk=32, max_model_len=256, max_logprobs=5, compilation_cache=False,

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from meshserve.batching.sampling import SamplingParams
-from meshserve.serving.async_llm import AsyncLLM
-from meshserve.serving.config import EngineConfig
-from meshserve.serving.engine import Engine
-from meshserve.serving.loop import Limits, Refused
-from meshserve.serving.llm import LLM
+from meshserve.serving.python_api.async_llm import AsyncLLM
+from meshserve.serving.engine.engine_config import EngineConfig
+from meshserve.serving.engine.core import Engine
+from meshserve.serving.engine.loop import Limits, Refused
+from meshserve.serving.python_api.llm import LLM
 from tests.serving.fake_runner import VOCAB, FakeModelRunner, reference_outputs
 from tests.serving.served import wait_for
 

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from meshserve.serving.cli import main
+from meshserve.serving.cli.main import main
 
 ENGINE_FLAGS = ["--num-pages", "64", "--page-size", "16", "--max-num-seqs", "4",
                 "--max-num-batched-tokens", "32", "--prefill-chunk", "16", "--max-model-len", "128",

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from meshserve.batching.scheduler import KVUsage
-from meshserve.serving.bench import bench, latency, plots, result_files
-from meshserve.serving.cli import main
+from meshserve.serving.bench import bench, latency, plots, result_files, workloads
+from meshserve.serving.cli.main import main
 
 SMALL = ["--model", "tiny-llama", "--num-pages", "64", "--max-num-seqs", "4",
          "--max-num-batched-tokens", "64", "--prefill-chunk", "16", "--max-model-len", "64",
@@ -278,8 +278,8 @@ def test_jsonl_workload_reads_token_ids_and_default_lengths(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt_token_ids": [1, 2, 3], "max_tokens": 5}\n\n'
                     '{"prompt_token_ids": [4], "id": "b"}\n')
-    requests = bench.load_jsonl_workload(path, vocab_size=512, default_max_tokens=7)
-    assert requests == [bench.BenchRequest([1, 2, 3], 5), bench.BenchRequest([4], 7)]
+    requests = workloads.load_jsonl_workload(path, vocab_size=512, default_max_tokens=7)
+    assert requests == [workloads.BenchRequest([1, 2, 3], 5), workloads.BenchRequest([4], 7)]
 
 
 @pytest.mark.parametrize("line, message", [
@@ -295,7 +295,7 @@ def test_jsonl_workload_names_the_bad_line(tmp_path, line, message):
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt_token_ids": [1, 2]}\n' + line + "\n")
     with pytest.raises(ValueError, match=rf"prompts.jsonl:2: .*{message}"):
-        bench.load_jsonl_workload(path, vocab_size=512)
+        workloads.load_jsonl_workload(path, vocab_size=512)
 
 
 def test_bench_runs_a_jsonl_file_and_reports_a_bad_line(tmp_path, capsys):
@@ -335,12 +335,12 @@ def test_kv_section_reports_fragmentation_and_cached_and_reserved_pages_per_step
 
 
 def test_shared_prefix_workload_is_seeded_and_shares_its_system_prompts():
-    requests = bench.make_workload("shared-prefix", num_requests=32, vocab_size=1000, seed=3)
-    again = bench.make_workload("shared-prefix", num_requests=32, vocab_size=1000, seed=3)
+    requests = workloads.make_workload("shared-prefix", num_requests=32, vocab_size=1000, seed=3)
+    again = workloads.make_workload("shared-prefix", num_requests=32, vocab_size=1000, seed=3)
     assert requests == again
-    prefixes = {tuple(r.prompt_token_ids[:bench.SHARED_PREFIX_LEN]) for r in requests}
-    assert 1 < len(prefixes) <= bench.SHARED_PREFIXES
-    assert all(8 <= len(r.prompt_token_ids) - bench.SHARED_PREFIX_LEN <= 128 for r in requests)
+    prefixes = {tuple(r.prompt_token_ids[:workloads.SHARED_PREFIX_LEN]) for r in requests}
+    assert 1 < len(prefixes) <= workloads.SHARED_PREFIXES
+    assert all(8 <= len(r.prompt_token_ids) - workloads.SHARED_PREFIX_LEN <= 128 for r in requests)
     assert all(4 <= r.num_output_tokens <= 128 for r in requests)
 
 
@@ -389,7 +389,7 @@ def test_hf_peer_without_torch_is_skipped_with_a_message(tmp_path, capsys, monke
     monkeypatch.setitem(sys.modules, "torch", None)  # not installed, as far as import can tell
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF" + bytes(60))
-    requests = [bench.BenchRequest([1, 2, 3], 4)]
+    requests = [workloads.BenchRequest([1, 2, 3], 4)]
     peers = bench.run_peers(["hf"], str(gguf), requests, max_batch_size=4,
                             continuous={"output_tokens_per_s": 1.0})
     assert set(peers["hf"]) == {"skipped"} and "torch is not installed" in peers["hf"]["skipped"]
@@ -398,7 +398,7 @@ def test_hf_peer_without_torch_is_skipped_with_a_message(tmp_path, capsys, monke
 
 def test_an_installed_hf_peer_runs_beside_continuous_with_the_ratio(golden_dir):
     """Runs wherever the tests run: torch and transformers are in the `[test]` extra."""
-    requests = [bench.BenchRequest([1, 2, 3], 4), bench.BenchRequest([4, 5], 2)]
+    requests = [workloads.BenchRequest([1, 2, 3], 4), workloads.BenchRequest([4, 5], 2)]
     peers = bench.run_peers(["hf"], str(golden_dir / "tiny-llama"), requests, max_batch_size=2,
                             continuous={"output_tokens_per_s": 30.0})
     hf = peers["hf"]

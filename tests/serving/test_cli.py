@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from meshserve.serving.cli import build_parser, main
-from meshserve.serving.config import EngineConfig
+from meshserve.serving.cli.main import build_parser, main
+from meshserve.serving.engine.engine_config import EngineConfig
 from meshserve.serving.options import dataclass_from_args
 
 

@@ -20,15 +20,15 @@ import numpy as np
 import pytest
 
 from meshserve.batching.sampling import SamplingParams
-from meshserve.serving import cli
-from meshserve.serving.api import generation_pb2 as pb
-from meshserve.serving.client import (AsyncClient, Client, ClientError, Completion, StreamChunk,
-                                      sampling_message)
-from meshserve.serving.config import EngineConfig
-from meshserve.serving.engine import Engine
-from meshserve.serving.llm import LLM
-from meshserve.serving.server import (SERVICE_NAME, GenerationServer, ServerConfig,
-                                      _sampling_params)
+from meshserve.serving.cli import main as cli
+from meshserve.serving.grpc_api.stubs import generation_pb2 as pb
+from meshserve.serving.grpc_api.client import (AsyncClient, Client, ClientError, Completion,
+                                               StreamChunk, sampling_message)
+from meshserve.serving.engine.engine_config import EngineConfig
+from meshserve.serving.engine.core import Engine
+from meshserve.serving.python_api.llm import LLM
+from meshserve.serving.grpc_api.server import (SERVICE_NAME, GenerationServer, ServerConfig,
+                                               _sampling_params)
 from tests.serving.fake_runner import FakeModelRunner
 from tests.serving.served import (ENGINE, StepGate, pages_free, prompt_ids, record_aborts,
                                   wait_for)
@@ -397,7 +397,7 @@ def test_cli_errors_name_the_status_code_and_exit_2(served, capsys):
 
 
 def test_the_client_module_imports_no_jax():
-    code = ("import sys, meshserve.serving.client\n"
+    code = ("import sys, meshserve.serving.grpc_api.client\n"
             "assert not [m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax')]")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 

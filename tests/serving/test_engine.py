@@ -14,10 +14,10 @@ import pytest
 
 from meshserve.batching.sampling import SamplingParams
 from meshserve.model.config import ModelConfig
-from meshserve.model.runner import CompileCounter
+from meshserve.model.executor.runner import CompileCounter
 from meshserve.model.transformer import model_from_params
-from meshserve.serving.config import EngineConfig
-from meshserve.serving.engine import Engine
+from meshserve.serving.engine.engine_config import EngineConfig
+from meshserve.serving.engine.core import Engine
 from tests.conftest import random_params
 from tests.model.paged import PagedStepper
 

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from meshserve.batching.sampling import SamplingParams
-from meshserve.serving.api import generation_pb2 as pb
-from meshserve.serving.api import generation_pb2_grpc as pb_grpc
-from meshserve.serving.config import EngineConfig
-from meshserve.serving.engine import Engine
-from meshserve.serving.server import GenerationServer, ServerConfig
+from meshserve.serving.grpc_api.stubs import generation_pb2 as pb
+from meshserve.serving.grpc_api.stubs import generation_pb2_grpc as pb_grpc
+from meshserve.serving.engine.engine_config import EngineConfig
+from meshserve.serving.engine.core import Engine
+from meshserve.serving.grpc_api.server import GenerationServer, ServerConfig
 from tests.serving.fake_runner import (VOCAB, FakeModelRunner, reference_outputs,
                                        token_logprob, top_ids)
 from tests.serving.served import pages_free, wait_for

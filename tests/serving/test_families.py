@@ -15,12 +15,12 @@ import json
 import pytest
 
 from meshserve.batching.sampling import SamplingParams
-from meshserve.model.loaders import load_hf
-from meshserve.model.pipeline import PipelineRunner
-from meshserve.model.runner import ModelRunner
+from meshserve.model.loading import load_hf
+from meshserve.model.executor.pipeline_runner import PipelineRunner
+from meshserve.model.executor.runner import ModelRunner
 from meshserve.model.transformer import model_from_params
-from meshserve.serving.config import EngineConfig
-from meshserve.serving.engine import Engine
+from meshserve.serving.engine.engine_config import EngineConfig
+from meshserve.serving.engine.core import Engine
 from meshserve.sharding.layout import prepare
 
 # A 4-token budget: three compiled programs (1, 2 and 4 token slots) serve every step.

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from meshserve.model.config import ModelConfig
-from meshserve.model.runner import ModelRunner, RunnerConfig
+from meshserve.model.executor.runner import ModelRunner, RunnerConfig
 from meshserve.model.transformer import model_from_params
-from meshserve.serving.generate import generate_greedy
+from meshserve.serving.engine.greedy_reference import generate_greedy
 from tests.conftest import random_params
 
 

@@ -1,5 +1,5 @@
-"""The grammar library binding (serving/grammar.py) and a request's Constraint, on SmolLM2's real
-tokenizer: compile once per distinct constraint, masks that allow exactly the continuations,
+"""The grammar library binding (serving/engine/grammar.py) and a request's Constraint, on SmolLM2's
+real tokenizer: compile once per distinct constraint, masks that allow exactly the continuations,
 when a constraint ends a request, and refusals that name the field."""
 
 import json
@@ -10,7 +10,7 @@ import pytest
 from meshserve.batching.request import Request, RequestStatus
 from meshserve.batching.sampling import SamplingParams
 from meshserve.batching.structured import Constraint, StructuredOutput, allowed_ids, mask_words
-from meshserve.serving.grammar import GrammarCompiler
+from meshserve.serving.engine.grammar import GrammarCompiler
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                            "n": {"type": "integer", "minimum": 0,
@@ -94,7 +94,7 @@ def test_a_refused_token_ends_the_request_unsatisfiable_with_the_library_reason(
 
 def test_the_scheduler_ends_a_request_whose_constraint_dies_and_frees_its_pages(compiler,
                                                                                 tokenizer):
-    from meshserve.batching.config import SchedulerConfig
+    from meshserve.batching.knobs import SchedulerConfig
     from meshserve.batching.scheduler import Scheduler
 
     scheduler = Scheduler(SchedulerConfig(num_pages=8, page_size=4, max_num_seqs=2,

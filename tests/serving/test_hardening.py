@@ -9,12 +9,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from meshserve.batching.sampling import SamplingParams
-from meshserve.serving.api import generation_pb2 as pb
-from meshserve.serving.api import generation_pb2_grpc as pb_grpc
-from meshserve.serving.engine import (MAX_REQUEST_ID_BYTES, MAX_STOP_STRING_CHARS,
-                                      MAX_STOP_STRINGS)
-from meshserve.serving.llm import LLM
-from meshserve.serving.server import GenerationServer, ServerConfig
+from meshserve.serving.grpc_api.stubs import generation_pb2 as pb
+from meshserve.serving.grpc_api.stubs import generation_pb2_grpc as pb_grpc
+from meshserve.serving.engine.admission import (MAX_REQUEST_ID_BYTES, MAX_STOP_STRING_CHARS,
+                                                MAX_STOP_STRINGS)
+from meshserve.serving.python_api.llm import LLM
+from meshserve.serving.grpc_api.server import GenerationServer, ServerConfig
 from tests.serving.served import pages_free, wait_for
 
 SMALL = dict(num_pages=32, page_size=16, max_num_seqs=2, max_num_batched_tokens=64,

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP front end (`meshserve.serving.http_api`) for real: uvicorn on
+"""The OpenAI-compatible HTTP front end (`meshserve.serving.http_api.app`) for real: uvicorn on
 127.0.0.1 (port 0) beside the gRPC server, on one engine loop.
 
 On the arithmetic runner (`tests/serving/fake_runner.py`, nothing compiled): exact streamed tokens,
@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 
 from meshserve.batching.sampling import SamplingParams
-from meshserve.serving.config import EngineConfig
-from meshserve.serving.engine import Engine
-from meshserve.serving.llm import LLM
-from meshserve.serving.server import GenerationServer, ServerConfig
+from meshserve.serving.engine.engine_config import EngineConfig
+from meshserve.serving.engine.core import Engine
+from meshserve.serving.python_api.llm import LLM
+from meshserve.serving.grpc_api.server import GenerationServer, ServerConfig
 from tests.serving.fake_runner import VOCAB, FakeModelRunner, reference_outputs
 from tests.serving.served import StepGate, record_aborts, record_cancels, wait_for
 
@@ -201,7 +201,7 @@ def test_64_concurrent_streams_with_random_disconnects_lose_nothing(fake, monkey
 
 
 def test_the_load_generator_drives_the_http_front_end(fake):
-    from meshserve.serving.bench.bench import BenchRequest
+    from meshserve.serving.bench.workloads import BenchRequest
     from meshserve.serving.bench.loadgen import run_online
 
     requests = [BenchRequest(prompt_token_ids=_prompt(200 + i, 3 + i), num_output_tokens=4 + i)

@@ -23,13 +23,15 @@ from pathlib import Path
 import pytest
 
 from meshserve.batching.sampling import SamplingParams
-from meshserve.serving.client import Client
-from meshserve.serving.config import EngineConfig
-from meshserve.serving.engine import Engine
-from meshserve.serving.http_render import Render
-from meshserve.serving.openai_request import FIELDS, markdown_table, parse_request
-from meshserve.serving.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from meshserve.serving.server import GenerationServer, ServerConfig
+from meshserve.serving.grpc_api.client import Client
+from meshserve.serving.engine.engine_config import EngineConfig
+from meshserve.serving.engine.core import Engine
+from meshserve.serving.http_api.render import Render
+from meshserve.serving.openai_api.fields import FIELDS, markdown_table
+from meshserve.serving.openai_api.request_model import parse_request
+from meshserve.serving.engine.outputs import (CompletionOutput, Logprob, RequestMetrics,
+                                              RequestOutput)
+from meshserve.serving.grpc_api.server import GenerationServer, ServerConfig
 from tests.serving.fake_runner import FakeModelRunner, reference_outputs
 from tests.serving.served import wait_for
 
@@ -277,7 +279,7 @@ def test_the_field_table_in_the_docs_is_the_code_s():
     table = docs.split("<!-- fields:begin -->\n", 1)[1].split("<!-- fields:end -->", 1)[0]
     assert table.strip() == markdown_table(), (
         "docs/server.md's field table is stale: paste `python -m "
-        "meshserve.serving.openai_request` between its fields markers")
+        "meshserve.serving.openai_api.fields` between its fields markers")
 
 
 def test_refused_fields_run_nothing_on_either_endpoint(fake):
@@ -415,7 +417,7 @@ def test_a_client_gone_or_a_malformed_head_is_one_info_line_naming_it(fake):
     records = []
     handler = logging.Handler(logging.DEBUG)
     handler.emit = records.append
-    names = ("meshserve.serving.http_api", "meshserve.serving.http_edge", "uvicorn.error")
+    names = ("meshserve.serving.http_api.app", "meshserve.serving.http_api.edge", "uvicorn.error")
     loggers = [logging.getLogger(n) for n in names]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
@@ -438,8 +440,8 @@ def test_a_client_gone_or_a_malformed_head_is_one_info_line_naming_it(fake):
             lg.removeHandler(handler)
             lg.setLevel(level)
     assert [(r.name, r.levelno) for r in records] == [
-        ("meshserve.serving.http_api", logging.INFO)] * 8 + [
-        ("meshserve.serving.http_edge", logging.INFO)] * 2
+        ("meshserve.serving.http_api.app", logging.INFO)] * 8 + [
+        ("meshserve.serving.http_api.edge", logging.INFO)] * 2
     assert all(r.exc_info is None for r in records)
     assert "went away while sending its body" in records[0].getMessage()
     assert [r.getMessage().split(": answered ")[1][:3] for r in records[8:]] == ["400", "431"]

@@ -55,7 +55,7 @@ def test_the_learned_predictor_and_test_prompts_are_saved_for_a_serving_run(tmp_
     """--save-predictor writes what `--length-predictor` loads; --save-test writes the held-out
     prompts as a bench JSONL workload."""
     from meshserve.model.length_predictor import LearnedPredictor
-    from meshserve.serving.bench.bench import load_jsonl_workload
+    from meshserve.serving.bench.workloads import load_jsonl_workload
 
     predictor, workload = tmp_path / "p.npz", tmp_path / "test.jsonl"
     assert length_eval.main(["--num-requests", "200", "--save-predictor", str(predictor),

@@ -21,10 +21,10 @@ import pytest
 
 from meshserve.serving.bench import bench, bench_command, latency, llama_server
 from meshserve.serving.bench import llama_server_build as build
-from meshserve.serving.bench.bench import BenchRequest
+from meshserve.serving.bench.workloads import BenchRequest
 from meshserve.serving.bench.loadgen import run_online
 from meshserve.serving.bench.peers import PeerUnavailable
-from meshserve.serving.config import EngineConfig
+from meshserve.serving.engine.engine_config import EngineConfig
 from tests.serving import fake_llama_server
 from tests.serving.fake_llama_server import Behaviour, make_server
 

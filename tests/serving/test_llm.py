@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from meshserve.serving.llm import LLM as EngineLLM
+from meshserve.serving.python_api.llm import LLM as EngineLLM
 
 SMALL = dict(num_pages=64, page_size=16, max_num_seqs=4, max_num_batched_tokens=32,
              prefill_chunk=16, max_model_len=128, warmup=False, compilation_cache=False)
@@ -21,7 +21,7 @@ def test_root_exports_load_on_first_use():
     import meshserve
     from meshserve import LLM, EngineConfig, SamplingParams
     from meshserve.batching.sampling import SamplingParams as BatchingSamplingParams
-    from meshserve.serving.config import EngineConfig as ServingEngineConfig
+    from meshserve.serving.engine.engine_config import EngineConfig as ServingEngineConfig
 
     assert (LLM, SamplingParams, EngineConfig) == (EngineLLM, BatchingSamplingParams,
                                                    ServingEngineConfig)

@@ -10,11 +10,11 @@ import time
 import numpy as np
 import pytest
 
-from meshserve.serving.bench.bench import BenchRequest
+from meshserve.serving.bench.workloads import BenchRequest
 from meshserve.serving.bench.latency import summarize
-from meshserve.serving.llm import LLM
+from meshserve.serving.python_api.llm import LLM
 from meshserve.serving.bench.loadgen import arrival_times, run_online
-from meshserve.serving.server import GenerationServer, ServerConfig
+from meshserve.serving.grpc_api.server import GenerationServer, ServerConfig
 
 ENGINE = dict(num_pages=64, page_size=16, max_num_seqs=8, max_num_batched_tokens=64,
               prefill_chunk=32, max_model_len=256, compilation_cache=False, warmup=False)

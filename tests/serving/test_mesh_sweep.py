@@ -15,9 +15,9 @@ import pytest
 from meshserve.model.config import ModelConfig
 from meshserve.model.transformer import model_from_params
 from meshserve.serving.bench import mesh_measure, mesh_sweep
-from meshserve.serving.cli import main
-from meshserve.serving.config import EngineConfig
-from meshserve.serving.engine import Engine
+from meshserve.serving.cli.main import main
+from meshserve.serving.engine.engine_config import EngineConfig
+from meshserve.serving.engine.core import Engine
 from meshserve.sharding.hlo import COLLECTIVES
 from tests.conftest import random_params
 

@@ -15,13 +15,13 @@ import pytest
 from flax import nnx
 
 from meshserve.batching.sampling import SamplingParams
-from meshserve.model.checkpoint import save_checkpoint
+from meshserve.model.loading.checkpoint import save_checkpoint
 from meshserve.model.config import ModelConfig
 from meshserve.model.transformer import model_from_params
-from meshserve.serving.config import EngineConfig
-from meshserve.serving.engine import Engine
+from meshserve.serving.engine.engine_config import EngineConfig
+from meshserve.serving.engine.core import Engine
 from meshserve.sharding.layout import prepare
-from meshserve.sharding.loading import _Placer, load_sharded
+from meshserve.sharding.sharded_loading import MeshPlacement as _Placer, load_sharded
 from tests.conftest import random_params
 
 ENGINE = dict(num_pages=48, page_size=16, max_num_seqs=4, max_num_batched_tokens=64,

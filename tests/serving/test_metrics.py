@@ -12,9 +12,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from meshserve.batching.sampling import SamplingParams
 from meshserve.model.config import ModelConfig
 from meshserve.model.transformer import model_from_params
-from meshserve.serving.config import EngineConfig
-from meshserve.serving.engine import Engine
-from meshserve.serving.metrics import FINISHED_REASONS, REJECTED_REASONS, ServerMetrics
+from meshserve.serving.engine.engine_config import EngineConfig
+from meshserve.serving.engine.core import Engine
+from meshserve.serving.engine.metrics import FINISHED_REASONS, REJECTED_REASONS, ServerMetrics
 from tests.conftest import random_params
 from tests.serving.fake_runner import FakeModelRunner, reference_outputs
 

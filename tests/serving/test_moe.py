@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 
 from meshserve.batching.sampling import SamplingParams
-from meshserve.model.loaders import load_hf
-from meshserve.model.runner import ModelRunner
+from meshserve.model.loading import load_hf
+from meshserve.model.executor.runner import ModelRunner
 from meshserve.model.transformer import model_from_params
-from meshserve.serving.config import EngineConfig
-from meshserve.serving.engine import Engine
+from meshserve.serving.engine.engine_config import EngineConfig
+from meshserve.serving.engine.core import Engine
 from meshserve.sharding.hlo import Hlo
 from meshserve.sharding.layout import prepare
 from meshserve.sharding.rules import DEFAULT_RULES, ShardingRules
@@ -144,7 +144,7 @@ def test_compiled_step_keeps_experts_apart_and_exchanges_tokens_once_per_layer(m
 
 
 def test_loading_onto_an_expert_parallel_mesh_gives_each_device_its_experts(golden_dir):
-    from meshserve.sharding.loading import load_sharded
+    from meshserve.sharding.sharded_loading import load_sharded
 
     directory = golden_dir / "tiny-mixtral"
     _, params = load_hf(directory)

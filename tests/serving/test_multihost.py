@@ -22,8 +22,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from meshserve.batching.sampling import SamplingParams
-from meshserve.serving.client import Client, ClientError
-from meshserve.serving.llm import LLM
+from meshserve.serving.grpc_api.client import Client, ClientError
+from meshserve.serving.python_api.llm import LLM
 from tests.model.test_loaders import LLAMA_HF, hf_llama_tensors, write_hf
 from tests.serving.multihost_worker import ENGINE, GREEDY, PROMPTS, SAMPLED
 

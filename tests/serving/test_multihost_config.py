@@ -2,10 +2,10 @@
 
 import pytest
 
-from meshserve.serving import multihost
-from meshserve.serving.cli import build_parser
+from meshserve.serving.engine import multihost
+from meshserve.serving.cli.main import build_parser
 from meshserve.serving.options import cluster_config_from_args as _cluster_config
-from meshserve.serving.multihost import ClusterConfig
+from meshserve.serving.engine.multihost import ClusterConfig
 
 
 def _args(command: str, *flags: str):

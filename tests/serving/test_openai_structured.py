@@ -1,4 +1,4 @@
-"""The HTTP API's structured-output fields and tool calls (serving/openai_structured.py): each
+"""The HTTP API's structured-output fields and tool calls (serving/openai_api/structured_fields.py): each
 form maps to its engine constraint, conflicts and bad values are refused naming the field, and
 tool calls are parsed and streamed in OpenAI's delta format. No server: the served path is in
 tests/serving/test_structured_openai.py."""
@@ -8,8 +8,8 @@ import json
 import pytest
 
 from meshserve.batching.structured import StructuredOutput
-from meshserve.serving.openai_structured import (NO_TEMPLATE, FieldError, ToolCallStream,
-                                                 prompt_messages, read_structured)
+from meshserve.serving.openai_api.structured_fields import (NO_TEMPLATE, FieldError, ToolCallStream,
+                                                     prompt_messages, read_structured)
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather.",
@@ -116,7 +116,8 @@ def test_a_streamed_call_is_its_id_and_name_then_argument_pieces(choice, text):
 
 
 def test_the_request_model_reads_tool_history_and_the_backend():
-    from meshserve.serving.openai_request import RequestError, parse_request
+    from meshserve.serving.openai_api.checks import RequestError
+    from meshserve.serving.openai_api.request_model import parse_request
 
     request = parse_request({"messages": [
         {"role": "user", "content": "Weather?"},

@@ -10,8 +10,8 @@ from meshserve.batching.sampling import SamplingParams
 from meshserve.model.config import ModelConfig
 from meshserve.model.length_predictor import LearnedPredictor, PredictorConfig
 from meshserve.model.transformer import model_from_params
-from meshserve.serving.config import EngineConfig
-from meshserve.serving.engine import Engine
+from meshserve.serving.engine.engine_config import EngineConfig
+from meshserve.serving.engine.core import Engine
 from tests.conftest import random_params
 
 TINY = dict(num_pages=24, page_size=16, max_num_seqs=4, max_num_batched_tokens=32,

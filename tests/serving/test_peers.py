@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from meshserve.serving.bench.bench import BenchRequest
+from meshserve.serving.bench.workloads import BenchRequest
 from meshserve.serving.bench.peers import PEERS, LlamaCppCrashed, PeerUnavailable, run_peer
 
 MODULES = {"hf": ("torch", "transformers"), "llama-cpp": ("llama_cpp",)}

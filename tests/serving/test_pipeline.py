@@ -12,10 +12,10 @@ from meshserve.batching.sampling import SamplingParams
 from meshserve.model.attention import ATTENTION_BACKENDS, ragged_attention_pallas_gpu
 from meshserve.model.config import ModelConfig
 from meshserve.model.transformer import model_from_params
-from meshserve.serving.config import EngineConfig
-from meshserve.serving.engine import Engine
-from meshserve.serving.metrics import ServerMetrics
-from meshserve.sharding.stages import pad_layers, stage_layout
+from meshserve.serving.engine.engine_config import EngineConfig
+from meshserve.serving.engine.core import Engine
+from meshserve.serving.engine.metrics import ServerMetrics
+from meshserve.sharding.pipeline_stages import pad_layers, stage_layout
 from tests.conftest import random_params
 from tests.serving.test_meshes import ENGINE, _assert_same, _run
 from tests.sharding.compiled import Hlo

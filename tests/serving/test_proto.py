@@ -16,5 +16,6 @@ def test_committed_stubs_are_current_with_the_proto():
 def test_the_proto_ships_in_the_package():
     from importlib import resources
 
-    proto = resources.files("meshserve.serving") / "proto" / "meshserve" / "v1" / "generation.proto"
+    proto = (resources.files("meshserve.serving.grpc_api") / "proto" / "meshserve" / "v1"
+             / "generation.proto")
     assert "service Generation" in proto.read_text()

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from meshserve.model.checkpoint import load_checkpoint, read_manifest, save_checkpoint
+from meshserve.model.loading.checkpoint import load_checkpoint, read_manifest, save_checkpoint
 from meshserve.model.config import ModelConfig
-from meshserve.model.quant import quantize_model, quantized_arrays
+from meshserve.model.quantized_weights import quantize_model, quantized_arrays
 from meshserve.model.transformer import model_from_params
-from meshserve.serving.config import EngineConfig
-from meshserve.serving.engine import Engine
-from meshserve.sharding.loading import load_sharded
+from meshserve.serving.engine.engine_config import EngineConfig
+from meshserve.serving.engine.core import Engine
+from meshserve.sharding.sharded_loading import load_sharded
 from tests.conftest import random_params
 from tests.serving.test_meshes import ENGINE, _assert_same, _run, _tiny_requests
 

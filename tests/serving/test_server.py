@@ -26,12 +26,12 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase)
 
 from meshserve.batching.sampling import SamplingParams
-from meshserve.serving.api import generation_pb2 as pb
-from meshserve.serving.api import generation_pb2_grpc as pb_grpc
-from meshserve.serving.config import EngineConfig
-from meshserve.serving.engine import Engine
-from meshserve.serving.llm import LLM
-from meshserve.serving.server import SERVICE_NAME, GenerationServer, ServerConfig
+from meshserve.serving.grpc_api.stubs import generation_pb2 as pb
+from meshserve.serving.grpc_api.stubs import generation_pb2_grpc as pb_grpc
+from meshserve.serving.engine.engine_config import EngineConfig
+from meshserve.serving.engine.core import Engine
+from meshserve.serving.python_api.llm import LLM
+from meshserve.serving.grpc_api.server import SERVICE_NAME, GenerationServer, ServerConfig
 from tests.serving.fake_runner import VOCAB, FakeModelRunner
 from tests.serving.served import (ENGINE, StepGate, pages_free, prompt_ids, record_aborts,
                                   record_cancels, wait_for)
@@ -186,7 +186,7 @@ def test_a_cancel_mid_stream_stops_the_request_at_once_and_frees_its_pages(start
 
 _KILLED_CLIENT = """
 import sys, grpc
-from meshserve.serving.api import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
+from meshserve.serving.grpc_api.stubs import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
 stub = pb_grpc.GenerationStub(grpc.insecure_channel(sys.argv[1]))
 request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[int(t) for t in sys.argv[2:]]),
                              request_id="killed", sampling=pb.SamplingParams(

@@ -16,12 +16,12 @@ from meshserve.batching.sampling import SamplingParams
 from meshserve.batching.structured import StructuredOutput
 from meshserve.model.config import ModelConfig
 from meshserve.model.transformer import model_from_params
-from meshserve.serving.bench.bench import BenchRequest
-from meshserve.serving.bench.structured import compare_structured, load_schemas, schema_validity
-from meshserve.serving.client import Client, ClientError
-from meshserve.serving.config import EngineConfig
-from meshserve.serving.engine import Engine
-from meshserve.serving.server import GenerationServer, ServerConfig
+from meshserve.serving.bench.workloads import BenchRequest
+from meshserve.serving.bench.structured_cost import compare_structured, load_schemas, schema_validity
+from meshserve.serving.grpc_api.client import Client, ClientError
+from meshserve.serving.engine.engine_config import EngineConfig
+from meshserve.serving.engine.core import Engine
+from meshserve.serving.grpc_api.server import GenerationServer, ServerConfig
 from tests.conftest import random_params
 from tests.serving.test_meshes import _run
 from tests.serving.tiny_tokenizer import tiny_tokenizer

@@ -8,8 +8,8 @@ import json
 import jsonschema
 import pytest
 
-from meshserve.serving.llm import LLM
-from meshserve.serving.server import GenerationServer, ServerConfig
+from meshserve.serving.python_api.llm import LLM
+from meshserve.serving.grpc_api.server import GenerationServer, ServerConfig
 
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")

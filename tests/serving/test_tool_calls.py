@@ -1,4 +1,4 @@
-"""tool_choice "auto" and the model's own tool-call format (serving/tool_calls.py).
+"""tool_choice "auto" and the model's own tool-call format (serving/openai_api/tool_calls.py).
 
 No tool-calling model can be fetched here, so the model is a scripted runner that writes a given
 token sequence whatever the prompt, under a real byte-level tokenizer (tests/serving/
@@ -21,11 +21,11 @@ from tokenizers import AddedToken
 
 from meshserve.batching.structured import StructuredOutput
 from meshserve.model.tokenizer import SpecialTokens, Tokenizer, end_token_ids
-from meshserve.serving.config import EngineConfig
-from meshserve.serving.engine import Engine
-from meshserve.serving.grammar import GrammarCompiler
-from meshserve.serving.server import GenerationServer, ServerConfig
-from meshserve.serving.tool_calls import FORMATS, CallParser, chat_tools
+from meshserve.serving.engine.engine_config import EngineConfig
+from meshserve.serving.engine.core import Engine
+from meshserve.serving.engine.grammar import GrammarCompiler
+from meshserve.serving.grpc_api.server import GenerationServer, ServerConfig
+from meshserve.serving.openai_api.tool_calls import FORMATS, CallParser, chat_tools
 from tests.serving.fake_runner import MODEL, FakeModelRunner
 from tests.serving.tiny_tokenizer import EOS_ID, tiny_tokenizer
 

@@ -10,7 +10,7 @@ import dataclasses
 import functools
 
 from meshserve.model.config import ModelConfig
-from meshserve.model.runner import ModelRunner, RunnerConfig
+from meshserve.model.executor.runner import ModelRunner, RunnerConfig
 from meshserve.model.transformer import model_from_params
 from meshserve.sharding.hlo import (COLLECTIVES, Hlo, Op, replica_groups,  # noqa: F401
                                     source_target_pairs)

@@ -12,7 +12,7 @@ from meshserve.model.config import ModelConfig
 from meshserve.model.transformer import abstract_model, stage_sliding_flags
 from meshserve.sharding.layout import prepare
 from meshserve.sharding.mesh import AXES, MeshConfig
-from meshserve.sharding.stages import padded_config as stage_padded_config
+from meshserve.sharding.pipeline_stages import padded_config as stage_padded_config
 
 
 @pytest.mark.parametrize("text,want", [

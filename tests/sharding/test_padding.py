@@ -9,11 +9,11 @@ import pytest
 from flax import nnx
 
 from meshserve.model.config import ModelConfig
-from meshserve.model.steps import forward_dense
+from meshserve.model.executor.steps import forward_dense
 from meshserve.model.transformer import model_from_params
+from meshserve.sharding.head_padding import (needs_head_padding, pad_array, pad_heads,
+                                             padded_config, padded_head_counts)
 from meshserve.sharding.layout import prepare
-from meshserve.sharding.padding import (needs_head_padding, pad_array, pad_heads, padded_config,
-                                        padded_head_counts)
 from tests.conftest import random_params
 
 # SmolLM2-135M attention (9 heads, 3 kv heads, head_dim 64, width 576) with a short stack and a

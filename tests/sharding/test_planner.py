@@ -19,7 +19,7 @@ from flax import nnx
 from meshserve.model.config import ModelConfig, MoeConfig
 from meshserve.model.transformer import abstract_model
 from meshserve.serving.bench.plan_command import add_plan_parser, run as run_plan
-from meshserve.sharding import padding, planner
+from meshserve.sharding import head_padding as padding, planner
 from meshserve.sharding.hardware import HARDWARE, HardwareSpec, hardware
 from meshserve.sharding.mesh import MeshConfig
 from meshserve.sharding.planner import (COLLECTIVE_LATENCY_S, MeshShape, PlanOptions, Slo,

@@ -7,7 +7,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshserve.batching.plan import sub_batch_from_rows
 from meshserve.model.config import ModelConfig
-from meshserve.model.runner import ModelRunner, RunnerConfig
+from meshserve.model.executor.runner import ModelRunner, RunnerConfig
 from meshserve.model.transformer import abstract_model, model_from_params
 from meshserve.sharding.layout import device_layout, prepare
 from meshserve.sharding.mesh import MeshConfig

@@ -1,0 +1,64 @@
+"""The runner contract: what the engine needs from whatever runs its plans.
+
+    keys = runner.warmup()          # compile every program a plan can need; run nothing
+    results = runner.execute(plan)  # one call: the plan's sampled tokens, back on the host
+
+Three runners keep it:
+  - `ModelRunner` (model/executor/runner.py): a `StepPlan` runs as one compiled ragged step and
+    returns one `SampledRows` per sub-batch;
+  - `PipelineRunner` (model/executor/pipeline_runner.py): a `PipelineSchedule` of several rounds
+    runs as one pipeline call and returns, per round, one `SampledRows` per sub-batch;
+  - the tests' `FakeRunner` (tests/serving/fake_runner.py): an arithmetic model over a fake
+    paged cache, with no jax, so engine and server tests assert exact streams and compile
+    nothing.
+
+Plain numpy, like the rest of `batching/`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+
+from meshserve.batching.plan import SubBatchPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledRows:
+    """Host copy of one sub-batch's result, padding removed."""
+
+    tokens: np.ndarray  # [B] int32
+    logprobs: np.ndarray  # [B] float32, raw logprob of the sampled token
+    top_ids: np.ndarray  # [B, K] int32
+    top_logprobs: np.ndarray  # [B, K] float32
+    prompt_logprobs: np.ndarray | None = None  # [B, T]
+    prompt_top_ids: np.ndarray | None = None  # [B, T, K]
+    prompt_top_logprobs: np.ndarray | None = None  # [B, T, K]
+
+
+class Runner(Protocol):
+    model_config: Any  # the model's sizes: vocab_size, eos_token_ids, max_position_embeddings
+    config: Any  # the runner's settings (`RunnerConfig`): cache geometry, sampler limits
+    num_replicas: int  # data-parallel replicas, each with its own pages
+    attention: str  # the attention backend, as GetServerInfo reports it
+    last_wait_seconds: float  # of the last `execute`, the time spent waiting for the device
+    last_user: object | None  # the engine that ran last (engines sharing a runner take turns)
+    channel: Any | None  # the plan stream of a multi-process run (serving/engine/multihost.py)
+
+    def warmup(self, *, progress: bool = True) -> list[tuple[int, ...]]:
+        """Compiles every program a plan can need, runs nothing; returns their keys."""
+        ...
+
+    def execute(self, plan: Any) -> list:
+        """Runs `plan` as one call and returns what it sampled (see the module docstring)."""
+        ...
+
+
+class StepRunner(Runner, Protocol):
+    """A runner whose plan is one step (`StepPlan`): every runner but the pipeline's."""
+
+    def padded_tokens(self, sub_batches: Sequence[SubBatchPlan]) -> int:
+        """Token slots a step of `sub_batches` computes, padding included."""
+        ...

@@ -1,0 +1,171 @@
+"""Assembling canonical params from a checkpoint, one canonical tensor at a time.
+
+`plan_slots` turns a family's `CheckpointLayout` into slots: one per canonical param (per layer,
+if stacked), each naming the tensor that fills it and its conversion; `assemble` reads every
+slot into arrays of the config's dtype. Before reading anything it checks that every slot's
+tensor exists with the shape its conversion expects and that the checkpoint holds no tensor the
+layout does not account for. Each finished array is checked finite, and with `place` it is
+handed to `place(config, key, array)` at once and only its result is kept (the sharded loader
+puts it on the mesh, each device receiving its shard), so the host never holds more than one
+full tensor.
+
+With `plans` (what a quantization scheme does with each kernel, `KernelPlan` in
+`meshserve.model.quant_formats`), a kernel comes straight from the file's blocks when their codes
+fit one of the plan's bit widths (`meshserve.model.loading.gguf_blocks`), and otherwise from its
+float weights, quantized as they are assembled (or left float, when the plan has no format).
+
+This module imports neither jax nor flax; the model module places the arrays on devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from meshserve.model.canonical import (Checkpoint, CheckpointLayout, Conversion, check_finite,
+                                       expected_shapes, numpy_dtype)
+from meshserve.model.config import ModelConfig
+from meshserve.model.loading.gguf_blocks import CanonicalLayout, kernel_format
+from meshserve.model.quant_formats import KernelPlan, QuantFormat, QuantizedArray, quantize
+
+MAX_LISTED_NAMES = 5
+
+Params = dict[str, np.ndarray | QuantizedArray]
+Place = Callable[[ModelConfig, str, np.ndarray | QuantizedArray], Any]
+# What a quantization scheme does with each kernel of a config.
+Plans = Callable[[ModelConfig], Mapping[str, KernelPlan]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """One checkpoint tensor and the place in params it fills."""
+
+    key: str
+    layer: int | None
+    source: str
+    conversion: Conversion
+
+
+def plan_slots(layout: CheckpointLayout) -> list[Slot]:
+    """One slot per expected param (per layer if stacked): filling every slot fills all params."""
+    config, names, conversions = layout.config, layout.names, layout.conversions
+    slots = []
+    for key in expected_shapes(config):
+        if key.startswith("layers/"):
+            slots.extend(
+                Slot(key, i, names[key].format(i=i), conversions[key])
+                for i in range(config.num_layers)
+            )
+        else:
+            slots.append(Slot(key, None, names[key], conversions[key]))
+    return slots
+
+
+def assemble(
+    config: ModelConfig, slots: list[Slot], checkpoint: Checkpoint, ignored: Callable[[str], bool],
+    place: Place | None = None, plans: Plans | None = None,
+) -> Params:
+    """Reads every slot's tensor into stacked arrays of the config's dtype, one key at a time
+    (the kernels `plans` names quantized, `assemble_quantized`); each finished key is checked,
+    then handed to `place` when given."""
+    require_sources(slots, checkpoint)
+    reject_unknown(slots, checkpoint, ignored)
+    require_source_shapes(slots, checkpoint)
+    dtype = numpy_dtype(config.dtype)
+    shapes = expected_shapes(config)
+    kernel_plans = plans(config) if plans is not None else {}
+    params = {}
+    for key, key_slots in itertools.groupby(slots, key=lambda slot: slot.key):
+        key_slots = list(key_slots)
+        plan = kernel_plans.get(key)
+        array = None if plan is None else assemble_quantized(key_slots, checkpoint, plan)
+        if array is None:
+            array = np.empty(shapes[key], dtype)
+            for slot in key_slots:
+                target = array if slot.layer is None else array[slot.layer]
+                target[...] = slot.conversion.convert(checkpoint.read(slot.source))
+        check_finite(key, array)
+        params[key] = array if place is None else place(config, key, array)
+    return params
+
+
+def assemble_quantized(slots: list[Slot], checkpoint: Checkpoint, plan: KernelPlan
+                       ) -> QuantizedArray | None:
+    """One kernel (every layer of it) as a `QuantizedArray`: kept in the file's own blocks when
+    every layer's block type fits one of the plan's bit widths with one format (GGUF), else
+    quantized to the plan's format from its float weights, one layer at a time; None when the
+    plan leaves float weights float."""
+    kept = _kept_format(slots, checkpoint, plan)
+    if kept is not None:
+        layout = CanonicalLayout(slots[0].conversion.convert, slots[0].conversion.source_shape,
+                                 kept)
+        layers = [layout.quantized(checkpoint.read_blocks(slot.source)) for slot in slots]
+    elif plan.fmt is not None:
+        layers = [quantize(slot.conversion.convert(checkpoint.read(slot.source)), plan.fmt)
+                  for slot in slots]
+    else:
+        return None
+    if slots[0].layer is None:
+        return layers[0]
+    stack = lambda name: np.stack([getattr(q, name) for q in layers])  # noqa: E731
+    return QuantizedArray(values=stack("values"), scales=stack("scales"),
+                          mins=None if layers[0].mins is None else stack("mins"),
+                          format=layers[0].format)
+
+
+def _kept_format(slots: list[Slot], checkpoint: Checkpoint, plan: KernelPlan
+                 ) -> QuantFormat | None:
+    """The format the slots' own blocks keep, in the first of the plan's bit widths where they
+    all keep one."""
+    qtype = getattr(checkpoint, "qtype", None)
+    if qtype is None:
+        return None
+    for bits in plan.keep_bits:
+        kept = {kernel_format(qtype(slot.source), bits, plan.num_contracted, plan.num_out)
+                for slot in slots}
+        if len(kept) == 1 and None not in kept:
+            return kept.pop()
+    return None
+
+
+def require_sources(slots: list[Slot], checkpoint: Checkpoint) -> None:
+    missing = [slot for slot in slots if slot.source not in checkpoint.names]
+    if missing:
+        raise ValueError(
+            f"{checkpoint.origin} lacks tensor {missing[0].source!r} (for {missing[0].key}); "
+            f"{len(missing)} needed tensors are missing in all. The checkpoint does not match "
+            "its config (architecture, layer count, biases, tied embeddings)."
+        )
+
+
+def reject_unknown(
+    slots: list[Slot], checkpoint: Checkpoint, ignored: Callable[[str], bool]
+) -> None:
+    used = {slot.source for slot in slots}
+    unknown = sorted(name for name in checkpoint.names if name not in used and not ignored(name))
+    if unknown:
+        raise ValueError(
+            f"{checkpoint.origin} has {len(unknown)} tensors that its config does not account for, "
+            f"e.g. {unknown[:MAX_LISTED_NAMES]}. The checkpoint uses features meshserve does not "
+            "support, or its config does not match it."
+        )
+
+
+def require_source_shapes(slots: list[Slot], checkpoint: Checkpoint) -> None:
+    for slot in slots:
+        actual = checkpoint.shape(slot.source)
+        if actual != slot.conversion.source_shape:
+            raise ValueError(
+                f"{checkpoint.origin}: tensor {slot.source!r} has shape {actual}, but the config "
+                f"implies {slot.conversion.source_shape} (for {slot.key}). The config "
+                "(hidden size, heads, head_dim, vocab, ...) does not match the weights."
+            )
+
+
+def require_file(path: Path) -> None:
+    if not path.is_file():
+        raise FileNotFoundError(f"no such file: {path}")

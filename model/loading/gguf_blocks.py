@@ -1,0 +1,211 @@
+"""GGUF's quantized blocks read as quantized kernels, never through float values.
+
+A GGUF block type stores, per block of weights along a row (the input axis of an `[out, in]`
+Linear weight), integer codes and a scale (and for some types a minimum), so that each weight is
+`code * scale + min`. `decode_blocks` reads those fields of one tensor as they are: codes one a
+byte `[out, in]`, scales and mins `[out, in / group]`, in float16 where the file stores them so
+and in float32 where a K-quant multiplies two stored fields (the products are exact in float32,
+and computed exactly as `gguf.quants` computes them):
+
+    type   codes        group  scale          min
+    Q8_0   -128..127    32     d (f16)        -
+    Q4_0   0..15        32     d (f16)        -8 d
+    Q4_1   0..15        32     d (f16)        m (f16)
+    Q5_0   -16..15      32     d (f16)        -
+    Q5_1   0..31        32     d (f16)        m (f16)
+    Q4_K   0..15        32     d * sc (f32)   -dmin * m (f32)
+    Q5_K   0..31        32     d * sc (f32)   -dmin * m (f32)
+    Q6_K   -32..31      16     d * sc (f32)   -
+
+A tensor whose codes fit the chosen bit width (`fits`) becomes a `QuantizedArray` with the same
+codes, scales and mins (`canonical_quantized`), moved into the canonical kernel layout by the same
+index permutation as its float weights: so it computes exactly what the float path computes from
+the dequantized file. Other types (Q2_K, Q3_K, the IQ types) are not read here; the loader
+dequantizes them and quantizes the floats instead.
+
+This module imports neither jax nor flax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import gguf
+import numpy as np
+
+from meshserve.model.quant_formats import QuantFormat, QuantizedArray, from_codes
+
+_GGML = gguf.GGMLQuantizationType
+QK_K = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """One tensor's block fields: codes `[out, in]` (int16, one per weight), scales and mins
+    `[out, in / group]`."""
+
+    codes: np.ndarray
+    scales: np.ndarray
+    mins: np.ndarray | None
+    group: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockType:
+    group: int
+    code_range: tuple[int, int]
+    decode: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray | None]]
+
+    def fits(self, bits: int) -> bool:
+        """Whether its codes fit the codes of a `bits`-bit kernel (int4 codes are unsigned)."""
+        low, high = self.code_range
+        return (-128 <= low and high <= 127) if bits == 8 else (0 <= low and high <= 15)
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """[..., 2] bytes -> [...] float16."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0]
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., n] bytes -> [..., 2n] codes: the low nibbles, then the high ones."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.int16)
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """[..., 4] bytes, a little-endian uint32 -> [..., 32] bits."""
+    bits = np.ascontiguousarray(qh).view(np.uint32)  # [..., 1]
+    return ((bits >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16)
+
+
+def _q8_0(b):
+    return np.ascontiguousarray(b[..., 2:]).view(np.int8).astype(np.int16), _f16(b[..., :2]), None
+
+
+def _q4_0(b):
+    d = _f16(b[..., :2])
+    return _nibbles(b[..., 2:]), d, d * np.float16(-8)
+
+
+def _q4_1(b):
+    return _nibbles(b[..., 4:]), _f16(b[..., :2]), _f16(b[..., 2:4])
+
+
+def _q5_0(b):
+    return _nibbles(b[..., 6:]) + (_high_bits(b[..., 2:6]) << 4) - 16, _f16(b[..., :2]), None
+
+
+def _q5_1(b):
+    return _nibbles(b[..., 8:]) + (_high_bits(b[..., 4:8]) << 4), _f16(b[..., :2]), \
+        _f16(b[..., 2:4])
+
+
+def _k_scales(b) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K and Q5_K: per sub-block of 32, the scale d * sc and the minimum -dmin * m."""
+    d = _f16(b[..., :2]).astype(np.float32)[..., None]
+    dmin = _f16(b[..., 2:4]).astype(np.float32)[..., None]
+    shape = b.shape[:-1]
+    sc, m = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(b[..., 4:16]).reshape(-1, 12))
+    sc, m = sc.reshape(*shape, 8), m.reshape(*shape, 8)
+    return d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
+
+
+def _k_nibbles(qs: np.ndarray) -> np.ndarray:
+    """Q4_K/Q5_K low bits: each 32 bytes hold sub-block 2c in low and 2c + 1 in high nibbles."""
+    chunks = qs.reshape(*qs.shape[:-1], 4, 32)
+    return _nibbles(chunks).reshape(*qs.shape[:-1], QK_K)
+
+
+def _q4_k(b):
+    scales, mins = _k_scales(b)
+    return _k_nibbles(b[..., 16:]), scales, mins
+
+
+def _q5_k(b):
+    scales, mins = _k_scales(b)
+    qh = b[..., 16:48]  # bit i of byte j is the fifth bit of weight 32 i + j
+    high = (qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [..., 8, 32]
+    codes = _k_nibbles(b[..., 48:]) + (high.reshape(*b.shape[:-1], QK_K).astype(np.int16) << 4)
+    return codes, scales, mins
+
+
+def _q6_k(b):
+    ql, qh = b[..., :128], b[..., 128:192]
+    sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)
+    d = _f16(b[..., 208:210]).astype(np.float32)[..., None]
+    shape = b.shape[:-1]
+    low = (ql.reshape(*shape, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]) & 15
+    high = (qh.reshape(*shape, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
+    codes = (low.reshape(*shape, 2, 4, 32).astype(np.int16)
+             | (high.reshape(*shape, 2, 4, 32).astype(np.int16) << 4)) - 32
+    return codes.reshape(*shape, QK_K), d * sc, None
+
+
+BLOCK_TYPES: dict[_GGML, BlockType] = {
+    _GGML.Q8_0: BlockType(32, (-128, 127), _q8_0),
+    _GGML.Q4_0: BlockType(32, (0, 15), _q4_0),
+    _GGML.Q4_1: BlockType(32, (0, 15), _q4_1),
+    _GGML.Q5_0: BlockType(32, (-16, 15), _q5_0),
+    _GGML.Q5_1: BlockType(32, (0, 31), _q5_1),
+    _GGML.Q4_K: BlockType(32, (0, 15), _q4_k),
+    _GGML.Q5_K: BlockType(32, (0, 31), _q5_k),
+    _GGML.Q6_K: BlockType(16, (-32, 31), _q6_k),
+}
+
+
+def decode_blocks(raw: np.ndarray, qtype: _GGML, shape: tuple[int, int]) -> Blocks:
+    """The block fields of one tensor's bytes `raw` ([out, row bytes], as GGUFReader maps them)
+    for its `[out, in]` shape."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    out, width = shape
+    blocks = np.asarray(raw).reshape(out, width // block_size, type_size)
+    codes, scales, mins = BLOCK_TYPES[qtype].decode(blocks)
+    group = BLOCK_TYPES[qtype].group
+    return Blocks(codes=codes.reshape(out, width), scales=scales.reshape(out, width // group),
+                  mins=None if mins is None else mins.reshape(out, width // group), group=group)
+
+
+def kernel_format(qtype: _GGML, bits: int, num_contracted: int, num_out: int
+                  ) -> QuantFormat | None:
+    """The format a tensor of `qtype` keeps in a `bits`-bit kernel, or None when its codes do
+    not fit."""
+    kind = BLOCK_TYPES.get(qtype)
+    if kind is None or not kind.fits(bits):
+        return None
+    has_mins = qtype in (_GGML.Q4_0, _GGML.Q4_1, _GGML.Q5_1, _GGML.Q4_K, _GGML.Q5_K)
+    scale_dtype = "float32" if qtype in (_GGML.Q4_K, _GGML.Q5_K, _GGML.Q6_K) else "float16"
+    return QuantFormat(bits=bits, group=kind.group, num_contracted=num_contracted,
+                       num_out=num_out, has_mins=has_mins, scale_dtype=scale_dtype)
+
+
+class CanonicalLayout:
+    """Where the blocks of an `[out, in]` tensor land in its canonical kernel `[*c, *out]`.
+
+    `convert` is the tensor's float conversion (row permutation, transpose, reshape), an index
+    permutation; applied to an index array it tells, for every group of the canonical kernel,
+    which block of the source row it came from."""
+
+    def __init__(self, convert: Callable[[np.ndarray], np.ndarray], shape: tuple[int, int],
+                 fmt: QuantFormat):
+        out, width = shape
+        self.convert, self.fmt = convert, fmt
+        dtype = np.int32 if out * width < 2**31 else np.int64
+        index = convert(np.arange(out * width, dtype=dtype).reshape(out, width))
+        axis = index.ndim - fmt.num_out - 1
+        first = np.take(index, np.arange(0, index.shape[axis], fmt.group), axis=axis)
+        last = np.take(index, np.arange(fmt.group - 1, index.shape[axis], fmt.group), axis=axis)
+        if np.any(first % fmt.group) or np.any(last - first != fmt.group - 1):
+            raise ValueError("the tensor's blocks do not line up with its kernel's groups")
+        rows, columns = np.divmod(first, width)
+        self.block_index = rows * (width // fmt.group) + columns // fmt.group  # [*c', *out]
+
+    def quantized(self, blocks: Blocks) -> QuantizedArray:
+        """The blocks as a kernel in the canonical layout: codes moved like weights, scales and
+        mins like the first weight of their block."""
+        take = lambda a: None if a is None else a.reshape(-1)[self.block_index]  # noqa: E731
+        codes = self.convert(blocks.codes)  # [*c, *out]
+        axis = codes.ndim - self.fmt.num_out - 1
+        grouped = codes.reshape(*codes.shape[:axis], codes.shape[axis] // self.fmt.group,
+                                self.fmt.group, *codes.shape[axis + 1:])
+        return from_codes(grouped, take(blocks.scales), take(blocks.mins), self.fmt)

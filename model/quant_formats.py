@@ -1,0 +1,302 @@
+"""Quantized kernels on the host: their formats, and round-to-nearest quantization in numpy.
+
+A quantized kernel stores integer codes and, per group of codes, a scale and (optionally) a
+minimum; each weight is `code * scale + min`. Groups run along the kernel's last contracted axis
+(the axis a matmul sums over), `group` weights each; a format without a group has one scale per
+output channel, over the whole contraction. Shapes, for a kernel `[*c, *out]` (contracted axes c,
+output axes out, with an optional leading layer axis in front of both):
+
+    bits 8   codes  int8   [*c, *out]                  the kernel's own shape and axes
+    bits 4   codes  uint8  [*c[:-1], c[-1] / 2, *out]  two codes a byte: in each group, code j
+                                                       in the low nibble, code j + group / 2 in
+                                                       the high one (GGUF's order in a Q4 block)
+    grouped  scales, mins  [*c[:-1], c[-1] / group, *out]
+    per-channel  scales    [*out]
+
+A `QuantizedArray` holds the arrays of one kernel (numpy on the host, jax arrays on devices) and
+its `QuantFormat`. The model code reads them through `meshserve.model.quantized_kernel`; the loaders
+build them from float weights (`quantize`) or straight from GGUF blocks.
+
+`SCHEMES` are the user's choices (`EngineConfig.quantization`): what float kernels become, and
+which bit widths a GGUF's blocks are kept in (`KernelPlan`). "auto" keeps a GGUF's quantized
+blocks exactly and leaves float weights float; the container depends on the platform
+(`auto_keep_bits`): int8 on the CPU, elsewhere int4 where the codes fit 4 bits, else int8.
+
+This module imports neither jax nor flax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+SCHEMES = ("none", "auto", "int8", "int4", "int4-g64")
+SCALE_DTYPES = ("float32", "float16")
+INT8_MAX = 127
+INT4_LEVELS = 15
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantFormat:
+    """How one kernel is stored. `num_contracted` and `num_out` count the kernel's contracted and
+    output axes (a layer axis in front is neither); `group` is None for per-channel scales."""
+
+    bits: int
+    group: int | None
+    num_contracted: int
+    num_out: int
+    has_mins: bool
+    scale_dtype: str = "float32"
+
+    def __post_init__(self):
+        assert self.bits in (4, 8), self.bits
+        assert self.scale_dtype in SCALE_DTYPES, self.scale_dtype
+        assert self.group is not None or (self.bits == 8 and not self.has_mins), \
+            "per-channel scales are for symmetric int8"
+        assert self.group is None or self.group % 2 == 0, self.group
+
+    @property
+    def code_dtype(self) -> Any:
+        return np.int8 if self.bits == 8 else np.uint8
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "QuantFormat":
+        return cls(**data)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedArray:
+    """One quantized kernel: codes, scales, optional mins (numpy or jax arrays) and its format."""
+
+    values: Any
+    scales: Any
+    mins: Any
+    format: QuantFormat
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the float kernel it stands for."""
+        shape = list(self.values.shape)
+        if self.format.bits == 4:
+            shape[last_contracted_axis(self.format)] *= 2
+        return tuple(shape)
+
+    def arrays(self) -> dict[str, Any]:
+        """Its arrays by name ("values", "scales" and, if any, "mins")."""
+        named = {"values": self.values, "scales": self.scales}
+        if self.mins is not None:
+            named["mins"] = self.mins
+        return named
+
+    def map(self, fn) -> "QuantizedArray":
+        """The same kernel with `fn` applied to each of its arrays (to place or cast them)."""
+        return dataclasses.replace(self, values=fn(self.values), scales=fn(self.scales),
+                                   mins=None if self.mins is None else fn(self.mins))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+                   for a in self.arrays().values())
+
+
+def stored_shapes(fmt: QuantFormat, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """The shape of each array of a kernel of float shape `shape` stored in `fmt`."""
+    shape = tuple(shape)
+    axis = len(shape) + last_contracted_axis(fmt)
+    values = shape if fmt.bits == 8 else shape[:axis] + (shape[axis] // 2,) + shape[axis + 1:]
+    if fmt.group is None:
+        scales = shape[:axis + 1 - fmt.num_contracted] + shape[axis + 1:]
+    else:
+        scales = shape[:axis] + (shape[axis] // fmt.group,) + shape[axis + 1:]
+    named = {"values": values, "scales": scales}
+    if fmt.has_mins:
+        named["mins"] = scales
+    return named
+
+
+def stored_dtypes(fmt: QuantFormat) -> dict[str, str]:
+    named = {"values": "int8" if fmt.bits == 8 else "uint8", "scales": fmt.scale_dtype}
+    if fmt.has_mins:
+        named["mins"] = fmt.scale_dtype
+    return named
+
+
+def last_contracted_axis(fmt: QuantFormat) -> int:
+    """The axis groups run along, counted from the end (so a layer axis in front changes
+    nothing)."""
+    return -(fmt.num_out + 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    """What loading does with one kernel: its GGUF blocks are kept in the first of `keep_bits`
+    their codes fit; otherwise its float weights become `fmt` (None: they stay float)."""
+
+    fmt: QuantFormat | None
+    keep_bits: tuple[int, ...]
+    num_contracted: int
+    num_out: int
+
+
+def auto_keep_bits(platform: str) -> tuple[int, ...]:
+    """The bit widths "auto" keeps a GGUF's blocks in on `platform` ("cpu", "gpu", "tpu"), the
+    first that fits. On the CPU, int8 containers: XLA:CPU streams int8 codes into its dot faster
+    than it unpacks int4's nibbles (docs/benchmarks.md), and a 4-bit code is held exactly in 8
+    bits, so the function is the same. Elsewhere int4, for its bytes."""
+    return (8,) if platform == "cpu" else (4, 8)
+
+
+def scheme_plan(scheme: str, num_contracted: int, num_out: int, *,
+                platform: str) -> KernelPlan | None:
+    """The plan of `scheme` for one kernel on `platform`; None for "none"."""
+    fmt = scheme_format(scheme, num_contracted, num_out)
+    if scheme == "none":
+        return None
+    keep = auto_keep_bits(platform) if scheme == "auto" else (fmt.bits,)
+    return KernelPlan(fmt=fmt, keep_bits=keep, num_contracted=num_contracted, num_out=num_out)
+
+
+def check_scheme(scheme: str) -> None:
+    """Raises ValueError, naming the schemes, unless `scheme` is one of them."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"quantization {scheme!r} is not supported; use one of {SCHEMES}")
+
+
+def scheme_format(scheme: str, num_contracted: int, num_out: int) -> QuantFormat | None:
+    """The format scheme `scheme` gives a float kernel; None for "none" and "auto"."""
+    check_scheme(scheme)
+    if scheme in ("none", "auto"):
+        return None
+    if scheme == "int8":
+        return QuantFormat(bits=8, group=None, num_contracted=num_contracted, num_out=num_out,
+                           has_mins=False)
+    group = 64 if scheme == "int4-g64" else 32
+    return QuantFormat(bits=4, group=group, num_contracted=num_contracted, num_out=num_out,
+                       has_mins=True, scale_dtype="float16")
+
+
+def check_groups(fmt: QuantFormat, shape: tuple[int, ...], name: str) -> None:
+    """Raises ValueError when `fmt` cannot hold a kernel of `shape`."""
+    length = shape[last_contracted_axis(fmt)]
+    step = fmt.group if fmt.group is not None else (2 if fmt.bits == 4 else 1)
+    if length % step:
+        raise ValueError(f"{name}: its contracted axis of {length} does not divide into groups "
+                         f"of {step}; quantize it with another scheme or leave it unquantized")
+
+
+# -- quantizing float kernels (round to nearest) ----------------------------------------------
+
+
+def quantize(kernel: Any, fmt: QuantFormat, xp: Any = np) -> QuantizedArray:
+    """`kernel` [*stack, *c, *out] quantized to `fmt` by rounding to nearest. `xp` is numpy, or
+    jax.numpy for arrays already on a device.
+
+    Symmetric int8 (no mins) takes max |w| / 127 as its scale; int4 spans each group's range
+    [min, max] in 15 steps, like GGUF's Q4_1. Scales and mins are rounded to their storage dtype
+    first, so that codes are chosen against the values the kernel is read with."""
+    assert (fmt.bits, fmt.has_mins) in ((8, False), (4, True)), "quantize makes int8 or int4"
+    check_groups(fmt, tuple(kernel.shape), "kernel")
+    grouped = _grouped(xp.asarray(kernel, dtype=np.float32), fmt)  # [..., n, group, *out]
+    axes = _reduce_axes(grouped, fmt)
+    if fmt.bits == 8:
+        scale = _stored(xp.abs(grouped).max(axis=axes, keepdims=True) / INT8_MAX, fmt)
+        codes = xp.clip(_rounded(xp, grouped, scale), -INT8_MAX, INT8_MAX)
+        return from_codes(codes, _squeeze(scale, fmt), None, fmt, xp)
+    low = _stored(grouped.min(axis=axes, keepdims=True), fmt)
+    scale = _stored((grouped.max(axis=axes, keepdims=True) - low) / INT4_LEVELS, fmt)
+    codes = xp.clip(_rounded(xp, grouped - low, scale), 0, INT4_LEVELS)
+    return from_codes(codes, _squeeze(scale, fmt), _squeeze(low, fmt), fmt, xp)
+
+
+def from_codes(codes: Any, scales: Any, mins: Any, fmt: QuantFormat, xp: Any = np
+               ) -> QuantizedArray:
+    """A `QuantizedArray` from codes in the grouped layout of `_grouped` (one code an element),
+    or per channel in the kernel's own shape, packing two int4 codes a byte."""
+    if fmt.group is None:
+        values = codes.astype(fmt.code_dtype)
+    else:
+        values = _packed(xp, codes, fmt) if fmt.bits == 4 else codes.astype(fmt.code_dtype)
+        values = _ungrouped(values, fmt)
+    return QuantizedArray(values=values, scales=scales.astype(fmt.scale_dtype),
+                          mins=None if mins is None else mins.astype(fmt.scale_dtype), format=fmt)
+
+
+def dequantize(q: QuantizedArray, xp: Any = np) -> Any:
+    """The float32 kernel `q` stands for: the reference the compiled matmul is held to."""
+    fmt = q.format
+    codes = unpacked_codes(q, xp).astype(np.float32)  # grouped layout, or the kernel per channel
+    scales = q.scales.astype(np.float32)
+    if fmt.group is None:
+        return codes * scales.reshape(scales.shape[:-fmt.num_out] + (1,) * fmt.num_contracted
+                                      + scales.shape[-fmt.num_out:])
+    axis = last_contracted_axis(fmt)
+    w = codes * xp.expand_dims(scales, axis)
+    if q.mins is not None:
+        w = w + xp.expand_dims(q.mins.astype(np.float32), axis)
+    return _ungrouped(w, fmt)
+
+
+def unpacked_codes(q: QuantizedArray, xp: Any = np) -> Any:
+    """One code an element: `[..., n, group, *out]` when grouped, else the kernel's shape."""
+    fmt = q.format
+    if fmt.group is None:
+        return q.values
+    grouped = _grouped(q.values, fmt, width=fmt.group // 2 if fmt.bits == 4 else fmt.group)
+    if fmt.bits == 8:
+        return grouped
+    axis = last_contracted_axis(fmt)
+    return xp.concatenate([grouped & 15, grouped >> 4], axis=axis)
+
+
+def _grouped(w: Any, fmt: QuantFormat, width: int | None = None) -> Any:
+    """Splits the last contracted axis into `(n, width)`, width = the group by default."""
+    if fmt.group is None:
+        return w
+    width = width or fmt.group
+    axis = w.ndim + last_contracted_axis(fmt)
+    return w.reshape(w.shape[:axis] + (w.shape[axis] // width, width) + w.shape[axis + 1:])
+
+
+def _ungrouped(w: Any, fmt: QuantFormat) -> Any:
+    """Merges the `(n, width)` pair of `_grouped` back into one axis."""
+    axis = w.ndim + last_contracted_axis(fmt) - 1
+    return w.reshape(w.shape[:axis] + (w.shape[axis] * w.shape[axis + 1],) + w.shape[axis + 2:])
+
+
+def _reduce_axes(grouped: Any, fmt: QuantFormat) -> tuple[int, ...]:
+    """The axes one scale covers: the group's own axis, or every contracted axis."""
+    if fmt.group is not None:
+        return (grouped.ndim + last_contracted_axis(fmt),)
+    first = grouped.ndim - fmt.num_out - fmt.num_contracted
+    return tuple(range(first, grouped.ndim - fmt.num_out))
+
+
+def _squeeze(a: Any, fmt: QuantFormat) -> Any:
+    """Drops the axes a scale was broadcast over."""
+    if fmt.group is not None:
+        return a.reshape(a.shape[:a.ndim + last_contracted_axis(fmt)]
+                         + a.shape[a.ndim + last_contracted_axis(fmt) + 1:])
+    first = a.ndim - fmt.num_out - fmt.num_contracted
+    return a.reshape(a.shape[:first] + a.shape[a.ndim - fmt.num_out:])
+
+
+def _stored(a: Any, fmt: QuantFormat) -> Any:
+    """`a` as it will be read back: rounded through the storage dtype of scales."""
+    return a.astype(fmt.scale_dtype).astype(np.float32)
+
+
+def _rounded(xp: Any, w: Any, scale: Any) -> Any:
+    safe = xp.where(scale == 0, 1.0, scale)
+    return xp.where(scale == 0, 0.0, xp.round(w / safe))
+
+
+def _packed(xp: Any, codes: Any, fmt: QuantFormat) -> Any:
+    """int4 codes `[..., n, group, *out]` -> bytes `[..., n, group / 2, *out]`."""
+    axis = codes.ndim + last_contracted_axis(fmt)
+    low, high = xp.split(codes.astype(np.uint8), 2, axis=axis)
+    return low | (high << 4)

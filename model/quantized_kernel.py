@@ -1,0 +1,144 @@
+"""A quantized kernel in the model: the weights `Dense` reads when its kernel is quantized.
+
+A `QuantizedKernel` is a small module of weights (`values`, `scales` and optionally `mins`, in the
+layout of `meshserve.model.quant_formats`), each an `nnx.Param` with logical axes, so the sharding
+rules, the loaders and the checkpoints see them as ordinary weights. The codes keep the float
+kernel's axes (an int4 kernel halves its last contracted axis), and grouped scales keep them too,
+so a tensor-parallel split of the float kernel splits the codes and their scales alike
+(`quantized_axes`).
+
+`quantized_matmul` is the one matmul of every quantized kernel. Activations stay in their dtype,
+and codes become values right before the dot, in the layer scan, one layer's kernel at a time:
+- int8: the layer's whole kernel is dequantized (per-channel scales multiply the dot's output
+  instead) and runs as one dot. XLA:CPU writes that one layer's values to a buffer, in cache,
+  before its dot; on GPUs XLA fuses the conversion into the dot.
+- int4: the sum runs in two halves of each group, the low nibbles (codes 0..group/2 - 1) and the
+  high ones, so a kernel is unpacked with a mask and a shift, never a shuffle, and no buffer
+  ever holds more than half of a layer's kernel in float (XLA:CPU runs the two halves' dots on
+  separate cores).
+`scripts/quant_matmul_bench.py` times both against float32; `tests/model/test_quant.py` reads the
+compiled HLO to hold both layouts.
+
+Which kernels of a model are quantized, and turning them so, is `meshserve.model.quantized_weights`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from meshserve.model.quant_formats import QuantFormat, QuantizedArray, last_contracted_axis
+
+
+class QuantizedKernel(nnx.Module):
+    """The weights of one quantized kernel; `fmt` is static (part of the graph)."""
+
+    def __init__(self, q: QuantizedArray, axes: tuple[str | None, ...]):
+        fmt = self.fmt = q.format
+        self.values = nnx.Param(q.values, axes=axes)
+        scale_axes = axes if fmt.group is not None else _per_channel_axes(axes, fmt)
+        self.scales = nnx.Param(q.scales, axes=scale_axes)
+        self.mins = None if q.mins is None else nnx.Param(q.mins, axes=scale_axes)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the float kernel it stands for."""
+        return self.array().shape
+
+    def array(self) -> QuantizedArray:
+        return QuantizedArray(values=self.values[...], scales=self.scales[...],
+                              mins=None if self.mins is None else self.mins[...], format=self.fmt)
+
+
+def _per_channel_axes(axes: tuple, fmt: QuantFormat) -> tuple:
+    """A kernel's axes without its contracted ones: those of per-channel scales."""
+    stack = len(axes) - fmt.num_out - fmt.num_contracted
+    return axes[:stack] + axes[len(axes) - fmt.num_out:]
+
+
+def quantized_matmul(spec: str, x: jax.Array, kernel: QuantizedKernel) -> jax.Array:
+    """`jnp.einsum(spec, x, dequantized kernel)`, for a spec whose contracted axes end `x` and
+    begin the kernel (every `Dense` of the model): one dot for int8, two for int4."""
+    fmt = kernel.fmt
+    inputs, out = spec.split("->")
+    lhs, rhs = inputs.split(",")
+    n = fmt.num_contracted
+    assert lhs[-n:] == rhs[:n], f"{spec}: the contracted axes must end x and begin the kernel"
+    m = next(a for a in "abcdefghijklmnopqrstuvwxyz" if a not in spec)  # the merged axis
+    flat = f"{lhs[:len(lhs) - n]}{m},{m}{rhs[n:]}->{out}"
+    with jax.named_scope(f"quantized {spec}"):
+        if fmt.bits == 8:
+            y = jnp.einsum(flat, _flat_lhs(x, n), _flat_rhs(_dequantized(kernel, x.dtype), n))
+        else:
+            y = sum(jnp.einsum(flat, _flat_lhs(xh, n + 1), _flat_rhs(wh, n + 1))
+                    for xh, wh in zip(_split_x(x, fmt), _dequantized_halves(kernel, x.dtype)))
+        if fmt.group is None:  # per-channel scales multiply the output, not the weights
+            y = y * kernel.scales[...].astype(y.dtype)
+    return y
+
+
+def _flat_lhs(x: jax.Array, k: int) -> jax.Array:
+    """x [..., *c] -> [..., prod(c)], its k trailing (contracted) axes merged."""
+    return x.reshape(*x.shape[:x.ndim - k], math.prod(x.shape[x.ndim - k:]))
+
+
+def _flat_rhs(w: jax.Array, k: int) -> jax.Array:
+    """w [*c, *out] -> [prod(c), *out], its k leading (contracted) axes merged."""
+    return w.reshape(math.prod(w.shape[:k]), *w.shape[k:])
+
+
+def _dequantized(kernel: QuantizedKernel, dtype) -> jax.Array:
+    """An int8 kernel's values [*c, *out] in `dtype` (per channel: its codes; the scales come
+    after the dot)."""
+    fmt = kernel.fmt
+    codes = kernel.values[...]
+    if fmt.group is None:
+        return codes.astype(dtype)
+    axis = codes.ndim + last_contracted_axis(fmt)
+    grouped = _split_axis(codes, axis, fmt.group)  # [..., n, group, *out]
+    scales = jnp.expand_dims(kernel.scales[...].astype(dtype), axis + 1)  # [..., n, 1, *out]
+    mins = None if kernel.mins is None else jnp.expand_dims(kernel.mins[...].astype(dtype),
+                                                            axis + 1)
+    return _values(grouped, scales, mins, dtype).reshape(codes.shape)
+
+
+def _split_x(x: jax.Array, fmt: QuantFormat) -> tuple[jax.Array, jax.Array]:
+    """x [..., *c] -> two halves [..., *c[:-1], n, group / 2]: each group's first and second
+    half."""
+    x = x.reshape(*x.shape[:-1], x.shape[-1] // fmt.group, fmt.group)
+    return x[..., :fmt.group // 2], x[..., fmt.group // 2:]
+
+
+def _dequantized_halves(kernel: QuantizedKernel, dtype) -> tuple[jax.Array, jax.Array]:
+    """An int4 kernel's two halves [*c[:-1], n, group / 2, *out] (its low and its high
+    nibbles) as values in `dtype`."""
+    fmt = kernel.fmt
+    values = kernel.values[...]
+    axis = values.ndim + last_contracted_axis(fmt)
+    packed = _split_axis(values, axis, fmt.group // 2)  # [..., n, group / 2, *out]
+    low, high = packed & 15, packed >> 4
+    scales = jnp.expand_dims(kernel.scales[...].astype(dtype), axis + 1)  # [..., n, 1, *out]
+    mins = None if kernel.mins is None else jnp.expand_dims(kernel.mins[...].astype(dtype),
+                                                            axis + 1)
+    return tuple(_values(codes, scales, mins, dtype) for codes in (low, high))
+
+
+def _split_axis(a: jax.Array, axis: int, width: int) -> jax.Array:
+    return a.reshape(*a.shape[:axis], a.shape[axis] // width, width, *a.shape[axis + 1:])
+
+
+def _values(codes: jax.Array, scales: jax.Array, mins: jax.Array | None, dtype) -> jax.Array:
+    w = codes.astype(dtype) * scales
+    return w if mins is None else w + mins
+
+
+def quantized_axes(fmt: QuantFormat, axes: tuple[str | None, ...]) -> dict[str, tuple]:
+    """The logical axes of each array of a kernel with float axes `axes`."""
+    scale_axes = axes if fmt.group is not None else _per_channel_axes(axes, fmt)
+    named = {"values": axes, "scales": scale_axes}
+    if fmt.has_mins:
+        named["mins"] = scale_axes
+    return named

@@ -1,0 +1,125 @@
+"""Structured output measured: its cost in throughput, and the validity of what it produces.
+
+`compare_structured`: the same seeded requests through one continuous engine, unconstrained and
+then every request constrained, in one process; output tokens/s of both and their ratio, and the
+host time the matchers add (advancing each by its sampled token and computing its next mask)
+per step and per constrained token. The constraint is `JSON_LINES` (one JSON object per line,
+each valid against a small schema, without end): with `ignore_eos` the output goes on to its
+target length, as unconstrained output does, so both runs compute the same tokens.
+
+`schema_validity`: each schema of a set (`data/json_schemas.json`, 54 schemas: nested objects,
+arrays, enums, bounded numbers, required and optional fields, `$ref`, `anyOf`/`oneOf`, patterns)
+asked for through the chat template, at each temperature, all in one engine; every output is
+parsed and validated with `jsonschema`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from importlib import resources
+from typing import Any, Sequence
+
+from meshserve.batching.sampling import SamplingParams
+from meshserve.batching.structured import StructuredOutput
+from meshserve.serving.bench.bench import run_offline
+from meshserve.serving.bench.workloads import BenchRequest
+from meshserve.serving.engine.core import Engine
+from meshserve.serving.engine.grammar import JSON_OPTIONS
+
+LINE_SCHEMA = {"type": "object",
+               "properties": {"name": {"type": "string", "maxLength": 16},
+                              "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                              "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
+                                       "maxItems": 3}},
+               "required": ["name", "age", "tags"], "additionalProperties": False,
+               "x-guidance": JSON_OPTIONS}  # compact, as every JSON constraint
+JSON_LINES = StructuredOutput(grammar="start: (line \"\\n\")+\nline: %json "
+                                      + json.dumps(LINE_SCHEMA))
+
+
+def compare_structured(engine: Engine, requests: Sequence[BenchRequest], *,
+                       structured: StructuredOutput = JSON_LINES,
+                       progress: bool = False) -> dict[str, Any]:
+    """`requests` unconstrained, then each constrained by `structured`, on `engine`. Each run
+    starts with an empty prefix cache, so the second does not find the first's prompts."""
+    scheduler = engine.scheduler
+    scheduler.forget_prefixes()
+    plain = run_offline(engine, list(requests), progress=progress)
+    scheduler.forget_prefixes()
+    seconds, advances = scheduler.constraint_seconds, scheduler.num_constraint_advances
+    constrained = run_offline(engine, [dataclasses.replace(r, structured=structured)
+                                       for r in requests], progress=progress)
+    seconds = scheduler.constraint_seconds - seconds
+    advances = scheduler.num_constraint_advances - advances
+    return {
+        "constraint": structured.key[1], "order": ["unconstrained", "constrained"],
+        "unconstrained": plain, "constrained": constrained,
+        "ratio_output_tokens_per_s": (constrained["output_tokens_per_s"]
+                                      / plain["output_tokens_per_s"]),
+        "matcher_seconds": seconds, "matcher_advances": advances,
+        "matcher_ms_per_step": 1e3 * seconds / max(constrained["num_steps"], 1),
+        "matcher_us_per_token": 1e6 * seconds / max(advances, 1),
+        "matcher_share_of_wall": seconds / constrained["wall_s"],
+    }
+
+
+def load_schemas(path: str | None = None) -> list[dict[str, Any]]:
+    """`[{"name": ..., "schema": {...}}, ...]`: the committed set, or the file at `path`."""
+    if path is None:
+        text = resources.files("meshserve.serving.bench").joinpath(
+            "data/json_schemas.json").read_text(encoding="utf-8")
+    else:
+        with open(path, encoding="utf-8") as file:
+            text = file.read()
+    return json.loads(text)
+
+
+def schema_validity(engine: Engine, schemas: Sequence[dict[str, Any]], *,
+                    temperatures: Sequence[float] = (0.0, 0.8), max_tokens: int = 160,
+                    seed: int = 0) -> dict[str, Any]:
+    """Every schema at every temperature, as one batch: how many outputs parse and validate."""
+    import jsonschema  # a test and bench dependency, not a serving one
+
+    tokenizer = engine.tokenizer
+    jobs = []
+    for temperature in temperatures:
+        for i, entry in enumerate(schemas):
+            ask = f"Give {entry['name']} as JSON."
+            prompt = (tokenizer.apply_chat_template([{"role": "user", "content": ask}])
+                      if tokenizer.chat_template else ask)
+            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed + i,
+                                    structured=StructuredOutput(json_schema=entry["schema"]))
+            jobs.append((temperature, entry, engine.add_request(prompt, params)))
+    outputs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0]
+    by_temperature: dict[str, Any] = {}
+    for temperature, entry, request_id in jobs:
+        completion = outputs[request_id]
+        error = _validation_error(jsonschema, completion.text, entry["schema"])
+        row = by_temperature.setdefault(str(temperature), {"requests": 0, "valid": 0,
+                                                           "failures": [], "output_tokens": 0})
+        row["requests"] += 1
+        row["output_tokens"] += len(completion.token_ids)
+        if error is None:
+            row["valid"] += 1
+        else:
+            row["failures"].append({"name": entry["name"], "text": completion.text,
+                                    "finish_reason": completion.finish_reason, "error": error})
+    for row in by_temperature.values():
+        row["valid_fraction"] = row["valid"] / row["requests"]
+    return {"num_schemas": len(schemas), "max_tokens": max_tokens,
+            "temperatures": by_temperature}
+
+
+def _validation_error(jsonschema, text: str, schema: dict) -> str | None:
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except json.JSONDecodeError as err:
+        return f"does not parse: {err.msg}"
+    except jsonschema.ValidationError as err:
+        return f"does not validate: {err.message}"
+    return None

@@ -1,0 +1,353 @@
+"""The engine: one loop that joins the scheduler (host) and the model runner (device).
+
+    step():  plan = scheduler.schedule()      # host: what runs
+             results = runner.execute(plan)   # device: one step, one copy back
+             return self._update(plan, results)  # host: tokens, text, stops, outputs
+
+A request comes in through the engine's admission check (`self.admission`,
+`meshserve.serving.engine.admission`): `add_request` checks and queues it; a front end that
+checked it on its own thread (`Admission.admit`) queues the `Admitted` request with `enqueue`,
+which checks nothing again. A request with structured output (`SamplingParams.structured`) comes
+with a matcher of its own (`Request.constraint`, its constraint compiled once per distinct
+constraint by the admission's `GrammarCompiler`), which the scheduler advances with each sampled
+token and whose mask each plan carries to the device sampler.
+
+The scheduler owns each request's tokens, pages, token-level stops and preemption; a `Stream`
+(`serving/engine/streams.py`) owns what the caller sees of it: text, stop strings and logprobs. The
+engine applies a stream's stop-string cut through the scheduler. `EngineConfig`
+(`meshserve.serving.engine.engine_config`) holds every knob once and derives the `RunnerConfig` and
+the `SchedulerConfig` from them.
+
+Not thread-safe: one thread owns an Engine (the gRPC server's engine loop, or `LLM`); only its
+`admission` may be called from other threads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import sys
+import time
+from typing import Sequence
+
+import numpy as np
+
+from meshserve.batching.pipeline_schedule import PLACEHOLDER, PipelineSchedule, build_schedule
+from meshserve.batching.plan import StepPlan
+from meshserve.batching.request import Request, stop_status_at
+from meshserve.batching.sampling import SamplingParams
+from meshserve.batching.scheduler import Scheduler
+from meshserve.model.loading.hub import cache_root
+from meshserve.batching.runner_protocol import Runner, SampledRows, StepRunner
+from meshserve.model.executor.runner import CompileCounter, ModelRunner, enable_compilation_cache
+from meshserve.model.executor.pipeline_runner import PipelineRunner
+from meshserve.model.quantized_weights import quantize_model
+from meshserve.model.tokenizer import Tokenizer
+from meshserve.model.transformer import for_context
+from meshserve.serving.engine.admission import Admission, Admitted, Prompt
+from meshserve.serving.engine.engine_config import EngineConfig
+from meshserve.serving.engine.multihost import payload_sizes
+from meshserve.serving.engine.outputs import RequestOutput
+from meshserve.serving.engine.streams import Stream
+from meshserve.sharding.layout import prepare
+
+
+class Engine:
+    def __init__(self, runner: Runner, tokenizer: Tokenizer | None,
+                 config: EngineConfig = EngineConfig(), *, model=None):
+        """An engine over `runner`: a `ModelRunner`, a `PipelineRunner` when the mesh has
+        stages, or any runner that keeps the contract of `meshserve.batching.runner_protocol` (the tests'
+        arithmetic `FakeRunner`). `from_model` builds the runner for a model. `model` is kept as
+        `self.model` for the tools that build more runners of it (bench, roofline)."""
+        self.config = config = config.for_model(runner.model_config)
+        self.tokenizer = tokenizer
+        self.is_pipelined = config.mesh_config.stage > 1
+        self.model, self.model_config, self.runner = model, runner.model_config, runner
+        eos = (tokenizer.eos_token_ids if tokenizer is not None
+               else runner.model_config.eos_token_ids)
+        self.scheduler = Scheduler(
+            config.scheduler_config(eos, num_replicas=runner.num_replicas,
+                                    attention_window=runner.model_config.attention_window),
+            predictor=config.make_length_predictor())
+        self.admission = Admission(
+            tokenizer=tokenizer, vocab_size=self.model_config.vocab_size,
+            max_model_len=config.max_model_len, max_logprobs=config.max_logprobs,
+            max_stop_ids=runner.config.max_stop_ids,
+            eos_token_ids=self.scheduler.config.eos_token_ids,
+            page_size=self.scheduler.config.page_size,
+            cache_pages=self.scheduler.allocators[0].num_total)
+        self._streams: dict[str, Stream] = {}
+        self._ids = itertools.count()
+        self.stats = EngineStats()
+        if config.compilation_cache:
+            enable_compilation_cache(cache_root(None) / "xla")
+        if config.warmup:
+            self.warmup()
+
+    @classmethod
+    def from_model(cls, model, tokenizer: Tokenizer | None,
+                   config: EngineConfig = EngineConfig(), *,
+                   runner: ModelRunner | PipelineRunner | None = None) -> Engine:
+        """An engine for `model`, placed on `config.mesh` (heads padded when the model axis
+        needs it), its float kernels quantized in place by `config.quantization`.
+
+        `runner` lets engines of the same shapes share one set of compiled programs (XLA:CPU
+        runs out of memory maps after a few hundred loaded executables); it must come from an
+        engine with the same model, mesh and runner config.
+        """
+        settled = config.for_model(model.config)
+        # An attention backend the model cannot run is refused before any weight moves.
+        settled.runner_config().backend(model.config)
+        model = for_context(model, settled.max_model_len)  # LongRoPE's factors
+        model = quantize_model(model, settled.quantization)  # kernels loaded quantized stay
+        if runner is None:
+            prepared = prepare(model, settled.mesh_config)
+            model = prepared.model
+            runner = (PipelineRunner(model, settled.runner_config(), prepared.layout,
+                                     settled.unit_shape()) if settled.mesh_config.stage > 1
+                      else ModelRunner(model, settled.runner_config(), prepared.layout))
+        elif runner.config != settled.runner_config() or runner.model_config != model.config:
+            raise ValueError("a shared runner must have this engine's model and runner config")
+        return cls(runner, tokenizer, config, model=model)
+
+    def warmup(self, *, progress: bool = True) -> None:
+        """Compiles every bucket. In a multi-process job every process runs its own warm-up, at
+        the same point and in the same order (the plan stream stays out of it), and then the
+        broadcast of every plan size the buckets can send."""
+        channel, self.runner.channel = self.runner.channel, None
+        started = time.perf_counter()
+        try:
+            with CompileCounter() as compiles:
+                keys = self.runner.warmup(progress=progress)
+                if channel is not None:
+                    channel.warmup(payload_sizes(self.runner, keys))
+        finally:
+            self.runner.channel = channel
+        self.stats.warmup_compiles += compiles.count
+        self.stats.warmup_seconds += time.perf_counter() - started
+        if progress:
+            print(f"meshserve: compiled {compiles.count} programs in "
+                  f"{self.stats.warmup_seconds:.1f} s ({compiles.num_cache_hits} from the "
+                  f"compilation cache)", file=sys.stderr, flush=True)
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None, priority: int = 0) -> str:
+        """Checks a request (`self.admission`) and queues it; raises `AdmissionError` (a
+        ValueError), naming the field and what to change, if it can never run."""
+        if request_id is None:
+            request_id = str(next(self._ids))
+        admitted = self.admission.admit(Prompt.of(prompt), params or SamplingParams(),
+                                        request_id=request_id)
+        return self.enqueue(admitted, priority=priority)
+
+    def enqueue(self, admitted: Admitted, *, priority: int = 0) -> str:
+        """Queues a request the admission check passed, checking nothing again; a request id
+        already in use is a ValueError."""
+        request_id = admitted.request_id
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        request = Request(request_id=request_id, prompt_token_ids=admitted.prompt_ids,
+                          params=admitted.params, priority=priority)
+        request.constraint = admitted.constraint
+        self.scheduler.add(request)  # its fit check is an invariant here: admission checked it
+        self._streams[request_id] = Stream.open(request, admitted.prompt_text, self.tokenizer)
+        return request_id
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one step (one pipeline call, of up to `pipeline_rounds` steps, when the mesh has
+        stages); returns an output for every request that advanced or finished."""
+        self._claim_runner()
+        if self.is_pipelined:
+            return self._pipeline_step()
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        started = time.perf_counter()
+        with CompileCounter() as compiles:
+            results = self.runner.execute(plan)
+        self.stats.record_step(plan, self.runner, time.perf_counter() - started, compiles.count)
+        self.stats.device_wait_seconds += self.runner.last_wait_seconds
+        return self._update(plan, results)
+
+    def _claim_runner(self) -> None:
+        """Engines that share a runner share its KV cache, one engine at a time: when another
+        engine has run since this one did, the pages this one's prefix cache points at hold the
+        other's tokens, so that cache is dropped."""
+        last = self.runner.last_user
+        if last is not None and last is not self:
+            if self.scheduler.num_running:
+                raise RuntimeError("another engine ran on this engine's shared runner while it "
+                                   "had requests running: their KV pages were overwritten")
+            self.scheduler.forget_prefixes()
+        self.runner.last_user = self
+
+    def abort(self, request_id: str) -> bool:
+        """Frees the request's pages at once. False if it is unknown or already finished."""
+        is_aborted = self.scheduler.abort(request_id)
+        self._streams.pop(request_id, None)
+        return is_aborted
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def shutdown(self) -> None:
+        """Aborts everything still queued or running; the engine is empty afterwards."""
+        for request_id in list(self._streams):
+            self.abort(request_id)
+
+    # -- pipeline parallelism -------------------------------------------------------------------
+
+    def _pipeline_step(self) -> list[RequestOutput]:
+        """Plans up to `pipeline_rounds` steps ahead, runs them as one pipeline call, then puts
+        the sampled tokens where the plans left placeholders (`_resolve`).
+
+        The scheduler plans round k + 1 before round k's tokens exist: its outputs are
+        PLACEHOLDERs, which the device fills by feedback. Planning stops early after a
+        preemption (a recomputed prompt must not contain placeholders), after any round
+        with a penalty (penalties read every earlier token), and after any round that samples a
+        constrained request (its next mask needs the token that round samples).
+        """
+        plans, shape = [], self.runner.shape
+        while len(plans) < self.config.pipeline_rounds:
+            preemptions = self.scheduler.num_preemptions
+            plan = self.scheduler.schedule()
+            if plan.is_empty:
+                break
+            plans.append(plan)
+            self.scheduler.update(plan, [np.full(b.num_rows, PLACEHOLDER, np.int32)
+                                         for b in plan.sub_batches])
+            laid_out = build_schedule(plans, shape, bubble_filling=self.config.bubble_filling)
+            if (self.scheduler.num_preemptions != preemptions or _has_penalty(plan)
+                    or self._samples_constrained(plan)
+                    or laid_out.num_units + self.config.units_per_round() > shape.num_units):
+                break
+        if not plans:
+            return []
+        schedule = build_schedule(plans, shape, bubble_filling=self.config.bubble_filling)
+        started = time.perf_counter()
+        with CompileCounter() as compiles:
+            results = self.runner.execute(schedule)
+        self.stats.record_pipeline(schedule, time.perf_counter() - started, compiles.count)
+        self.stats.device_wait_seconds += self.runner.last_wait_seconds
+        return self._resolve(plans, results)
+
+    def _samples_constrained(self, plan: StepPlan) -> bool:
+        """Whether a row of `plan` samples an output of a constrained request."""
+        for row in plan.real_rows():
+            request = self.scheduler.get(row.request_id)
+            if row.is_sampled and request is not None and request.constraint is not None:
+                return True
+        return False
+
+    def _resolve(self, plans: Sequence[StepPlan], results) -> list[RequestOutput]:
+        """Fills each placeholder output with its sampled token, round by round; a token that
+        stops its request (EOS, a stop id) cuts off what the later rounds generated."""
+        touched: dict[str, Stream] = {}
+        eos = self.scheduler.config.eos_token_ids
+        for plan, batches in zip(plans, results):
+            for row in plan.real_rows():
+                stream = self._streams.get(row.request_id)
+                if stream is None:
+                    continue
+                rows, request = batches[row.batch], stream.request
+                stream.record_prompt_logprobs(rows, row.row, plan.sub_batches[row.batch])
+                if not row.is_sampled:
+                    continue
+                index = int(plan.sampling[row.batch].steps[row.row])
+                if index >= len(request.output_token_ids):
+                    continue  # generated after a stop: discarded
+                end = self.scheduler.set_output(request, index, int(rows.tokens[row.row]))
+                stream.record_token(rows, row.row)
+                touched.setdefault(row.request_id, stream)
+                stop = stop_status_at(request, index, eos) or end
+                if stop is not None:
+                    self.scheduler.end_at(request, index + 1, *stop)
+        return [self._output(stream) for stream in touched.values()]
+
+    def _output(self, stream: Stream) -> RequestOutput:
+        cut = stream.advance()
+        if cut is not None:
+            self.scheduler.end_at(stream.request, cut.num_outputs, "stop", cut.stop)
+        if stream.request.is_finished:
+            self._streams.pop(stream.request.request_id, None)
+        return stream.output()
+
+    def _update(self, plan: StepPlan, results: list[SampledRows]) -> list[RequestOutput]:
+        for row in plan.real_rows():
+            stream = self._streams.get(row.request_id)
+            if stream is None:
+                continue  # aborted during the step
+            rows = results[row.batch]
+            stream.record_prompt_logprobs(rows, row.row, plan.sub_batches[row.batch])
+            if row.is_sampled:
+                stream.record_token(rows, row.row)
+        touched = self.scheduler.update(plan, [rows.tokens for rows in results])
+        return [self._output(self._streams[req.request_id]) for req in touched
+                if req.request_id in self._streams]
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters of what the engine computed, for benchmarks and metrics."""
+
+    num_steps: int = 0
+    warmup_compiles: int = 0  # programs compiled (or loaded from the cache) at warm-up
+    warmup_seconds: float = 0.0
+    compiles_after_warmup: int = 0
+    step_seconds: float = 0.0  # in `runner.execute`, host preparation included
+    device_wait_seconds: float = 0.0  # of which waiting for the device once all was dispatched
+    prefill_tokens: int = 0
+    prefill_slots: int = 0  # padded token slots computed for prefill
+    decode_tokens: int = 0
+    decode_slots: int = 0
+    stage_busy_slots: int = 0  # pipeline (tick, stage, replica) slots that ran a real row
+    stage_slots: int = 0  # all pipeline slots, idle ones included
+
+    def record_step(self, plan: StepPlan, runner: StepRunner, seconds: float,
+                    compiles: int) -> None:
+        self.num_steps += 1
+        self.step_seconds += seconds
+        self.compiles_after_warmup += compiles
+        # Decodes take one slot each. A step's padding (its token bucket less its tokens)
+        # counts as prefill padding when the step has any prefill, else as decode padding.
+        is_decode = [b.tokens.shape[1] == 1 for b in plan.sub_batches]
+        decode = sum(b.num_tokens for b, d in zip(plan.sub_batches, is_decode) if d)
+        slots = runner.padded_tokens(plan.sub_batches)
+        self.decode_tokens += decode
+        self.prefill_tokens += plan.num_tokens - decode
+        if all(is_decode):
+            self.decode_slots += slots
+        else:
+            self.decode_slots += decode
+            self.prefill_slots += slots - decode
+
+    def record_pipeline(self, schedule: PipelineSchedule, seconds: float, compiles: int) -> None:
+        """A pipeline call: its rounds count as steps; its units' slots as padding."""
+        shape = schedule.shape
+        self.num_steps += len(schedule.plans)
+        self.step_seconds += seconds
+        self.compiles_after_warmup += compiles
+        self.decode_tokens += int(schedule.decode.num_new.sum())
+        self.decode_slots += schedule.decode.busy_units() * shape.decode_rows
+        self.prefill_tokens += int(schedule.prefill.num_new.sum())
+        self.prefill_slots += schedule.prefill.busy_units() * shape.prefill_tokens
+        self.stage_busy_slots += schedule.num_busy * shape.num_stages
+        self.stage_slots += schedule.num_ticks * shape.num_stages * shape.num_replicas
+
+    @property
+    def stage_utilisation(self) -> float:
+        """Busy pipeline stage-slots / all stage-slots; 1.0 without pipeline stages."""
+        return self.stage_busy_slots / self.stage_slots if self.stage_slots else 1.0
+
+    @property
+    def prefill_padding(self) -> float:
+        return 1 - self.prefill_tokens / self.prefill_slots if self.prefill_slots else 0.0
+
+    @property
+    def decode_padding(self) -> float:
+        return 1 - self.decode_tokens / self.decode_slots if self.decode_slots else 0.0
+
+
+def _has_penalty(plan: StepPlan) -> bool:
+    return any(np.any(s.repetition_penalty != 1) or np.any(s.presence_penalty != 0)
+               or np.any(s.frequency_penalty != 0) for s in plan.sampling)

@@ -1,0 +1,287 @@
+"""Prometheus metrics of a serving engine, named as vLLM's with the prefix `meshserve:`.
+
+Every metric has a `model_name` label. Counters are exported with prometheus_client's `_total`
+suffix (and its `_created` sample).
+
+Histograms (seconds):
+    meshserve:time_to_first_token_seconds   arrival -> first output token, one per request
+    meshserve:inter_token_latency_seconds   one per output token after the first: the time since
+                                            the previous token. When one output brings several
+                                            new tokens, the gap since the previous output is split
+                                            evenly among them (the engine brings one per step).
+    meshserve:e2e_request_latency_seconds   arrival -> finish, one per request the engine finished
+                                            ("stop" or "length"; aborts are not timed)
+    meshserve:step_duration_seconds         wall time of each engine step that ran
+    (vLLM's request_queue_time_seconds is not exported: RequestMetrics does not record when a
+    request was first scheduled.)
+
+Gauges, as of the last `observe_step`:
+    meshserve:num_requests_running          requests holding a seat (scheduler.num_running)
+    meshserve:num_requests_waiting          requests queued, preempted ones included
+    meshserve:kv_cache_usage_perc           used KV pages / usable KV pages, a fraction in [0, 1]
+    meshserve:kv_cache_cached_pages         pages held by no request that keep a prefix-cache
+                                            page (evictable); free + used + cached = usable
+    meshserve:kv_cache_fragmentation_ratio  allocated token slots holding no KV / allocated slots
+    meshserve:kv_cache_reserved_unused_pages  pages held beyond the requests' current tokens
+    meshserve:prefill_padding_ratio         padded prefill token slots / all prefill token slots
+                                            computed, over the engine's life
+    meshserve:decode_padding_ratio          the same for decode rows
+    meshserve:warmup_programs               programs compiled (or loaded from the compilation
+                                            cache) at warm-up: the bounded compiled set
+    meshserve:warmup_seconds                wall time of that warm-up
+    meshserve:stage_utilisation             busy pipeline stage-slots / all stage-slots, over the
+                                            engine's life, from the schedules it ran
+                                            (`EngineStats.stage_utilisation`); 1.0 on a mesh of
+                                            one stage once a step has run (0 before).
+
+Counters:
+    meshserve:num_preemptions_total         requests sent back to the queue for want of KV pages
+    meshserve:prefix_cache_hits_total       tokens found in the prefix cache on admission, so
+                                            not computed
+    meshserve:kv_cache_window_freed_pages_total  KV pages given back to the pool because every
+                                            layer's sliding window had passed them (models whose
+                                            layers all slide: Mistral, Phi-3)
+    meshserve:prompt_tokens_total           prompt tokens of each request, counted at its first
+                                            output token (recomputation after preemption is not
+                                            counted again)
+    meshserve:generation_tokens_total       output tokens, counted as they are produced
+    meshserve:request_success_total         finished requests, by `finished_reason`: "stop",
+                                            "length" (from outputs) or "abort" (observe_aborted)
+    meshserve:recompiles_total              programs compiled while serving, after warm-up
+                                            (EngineStats.compiles_after_warmup)
+    meshserve:requests_rejected_total       requests refused at admission, by `reason`:
+                                            queue_full, invalid, unauthenticated, draining, deadline
+    meshserve:plan_broadcast_seconds_total  multi-process only: time process 0 spent sending
+                                            step plans to the other processes (divide by the
+                                            step count of step_duration_seconds for per step)
+
+The engine's cumulative counters (preemptions, compiles) are read in `observe_step`, which adds
+what changed since the previous call, so the exported totals equal the engine's over its life.
+
+Threads: `observe_step`, `observe_output` and `observe_aborted` belong to the thread that owns
+the engine (they keep per-request state without a lock). `observe_rejected`, `render` and the
+HTTP endpoint may run on any thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from meshserve.serving.engine.outputs import RequestOutput
+
+PREFIX = "meshserve:"
+FINISHED_REASONS = ("stop", "length", "abort", "unsatisfiable")
+REJECTED_REASONS = ("queue_full", "invalid", "unauthenticated", "draining", "deadline")
+
+# vLLM's boundaries for TTFT and end-to-end latency.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+# vLLM's, with 1 to 5 ms added below: a decode step on one accelerator is often under 10 ms.
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+               0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25,
+                0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclasses.dataclass
+class _Seen:
+    """What has been counted of one unfinished request."""
+
+    num_tokens: int  # output tokens counted so far
+    last_token_time: float  # time.monotonic() of the last of them
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str,
+                 registry: prometheus_client.CollectorRegistry | None = None):
+        """Registers every metric on `registry`; None makes a fresh one (never the global
+        default, so that several servers, or tests, coexist in one process)."""
+        self.model_name = model_name
+        self.registry = registry if registry is not None else CollectorRegistry()
+        labels = ("model_name",)
+
+        def histogram(name, doc, buckets):
+            return Histogram(PREFIX + name, doc, labels, registry=self.registry,
+                             buckets=buckets).labels(model_name)
+
+        def gauge(name, doc):
+            return Gauge(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Time from arrival to the first output token.",
+            TTFT_BUCKETS)
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS)
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Time from arrival to finish of finished requests.",
+            E2E_BUCKETS)
+        self.step_duration = histogram(
+            "step_duration_seconds", "Wall time of one engine step.", STEP_BUCKETS)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests holding a seat.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests queued.")
+        self.kv_cache_usage = gauge("kv_cache_usage_perc",
+                                    "KV-cache usage: used pages / usable pages (1 is full).")
+        self.kv_cache_cached_pages = gauge(
+            "kv_cache_cached_pages", "Evictable pages kept for the prefix cache.")
+        self.kv_cache_fragmentation = gauge(
+            "kv_cache_fragmentation_ratio", "Allocated token slots holding no KV / allocated.")
+        self.kv_cache_reserved_unused = gauge(
+            "kv_cache_reserved_unused_pages", "Pages held beyond the requests' current tokens.")
+        self.prefill_padding_ratio = gauge(
+            "prefill_padding_ratio", "Padded share of the prefill token slots computed.")
+        self.decode_padding_ratio = gauge(
+            "decode_padding_ratio", "Padded share of the decode rows computed.")
+        self.stage_utilisation = gauge(
+            "stage_utilisation", "Busy pipeline stage-slots / all stage-slots.")
+        self.warmup_programs = gauge("warmup_programs", "Programs compiled at warm-up.")
+        self.warmup_seconds = gauge("warmup_seconds", "Wall time of the warm-up.")
+
+        self.num_preemptions = counter("num_preemptions", "Requests preempted for KV pages.")
+        self.prefix_cache_hits = counter("prefix_cache_hits",
+                                         "Tokens found in the prefix cache, not computed.")
+        self.window_freed_pages = counter(
+            "kv_cache_window_freed_pages", "KV pages freed behind every layer's sliding window.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started.")
+        self.generation_tokens = counter("generation_tokens", "Output tokens produced.")
+        self.recompiles = counter("recompiles", "Programs compiled after warm-up.")
+        self.plan_broadcast_seconds = counter(
+            "plan_broadcast_seconds", "Seconds spent broadcasting step plans to other processes.")
+        success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+                          labels + ("finished_reason",), registry=self.registry)
+        self.request_success = {reason: success.labels(model_name, reason)
+                                for reason in FINISHED_REASONS}
+        rejected = Counter(PREFIX + "requests_rejected", "Requests refused at admission.",
+                           labels + ("reason",), registry=self.registry)
+        self.requests_rejected = {reason: rejected.labels(model_name, reason)
+                                  for reason in REJECTED_REASONS}
+
+        self._requests: dict[str, _Seen] = {}  # unfinished requests seen in an output
+        self._num_steps = 0  # engine counters as of the previous observe_step
+        self._num_preemptions = 0
+        self._num_cached_tokens = 0
+        self._num_window_freed = 0
+        self._compiles = 0
+        self._broadcast_seconds = 0.0
+        self._http: tuple | None = None  # (server, thread) of start_http_server
+
+    # -- the engine loop ------------------------------------------------------------------------
+
+    def observe_step(self, engine, seconds: float) -> None:
+        """After `engine.step()`: `seconds` is its wall time. Refreshes the gauges and adds the
+        engine counters' growth. A call after a step that ran nothing (empty plan), or after an
+        abort, only refreshes the gauges and counters: `seconds` is then ignored."""
+        stats, scheduler = engine.stats, engine.scheduler
+        if stats.num_steps > self._num_steps:
+            self.step_duration.observe(seconds)
+            self.stage_utilisation.set(stats.stage_utilisation)
+        self._num_steps = stats.num_steps
+        self._num_preemptions = _add_growth(self.num_preemptions, self._num_preemptions,
+                                            scheduler.num_preemptions)
+        self._num_cached_tokens = _add_growth(self.prefix_cache_hits, self._num_cached_tokens,
+                                              scheduler.num_cached_tokens)
+        self._num_window_freed = _add_growth(self.window_freed_pages, self._num_window_freed,
+                                             scheduler.num_window_freed_pages)
+        self._compiles = _add_growth(self.recompiles, self._compiles, stats.compiles_after_warmup)
+        channel = engine.runner.channel
+        if channel is not None:
+            self._broadcast_seconds = _add_growth(self.plan_broadcast_seconds,
+                                                  self._broadcast_seconds, channel.seconds)
+        self.num_requests_running.set(scheduler.num_running)
+        self.num_requests_waiting.set(scheduler.num_waiting)
+        self.warmup_programs.set(stats.warmup_compiles)
+        self.warmup_seconds.set(stats.warmup_seconds)
+        usage = scheduler.kv_usage()
+        self.kv_cache_usage.set(usage.num_used_pages / usage.num_total_pages)
+        self.kv_cache_cached_pages.set(usage.num_cached_pages)
+        self.kv_cache_fragmentation.set(usage.fragmentation)
+        self.kv_cache_reserved_unused.set(usage.num_reserved_unused_pages)
+        self.prefill_padding_ratio.set(stats.prefill_padding)
+        self.decode_padding_ratio.set(stats.decode_padding)
+
+    def observe_output(self, output: RequestOutput) -> None:
+        """Once for each RequestOutput a step returned, before the next step."""
+        completion, times = output.outputs[0], output.metrics
+        seen = self._requests.get(output.request_id)
+        num_new = len(completion.token_ids) - (seen.num_tokens if seen else 0)
+        if num_new > 0:
+            self.generation_tokens.inc(num_new)
+            if seen is None:
+                self.prompt_tokens.inc(len(output.prompt_token_ids))
+                self.time_to_first_token.observe(times.time_to_first_token)
+                num_gaps, since = num_new - 1, times.first_token_time
+            else:
+                num_gaps, since = num_new, seen.last_token_time
+            for _ in range(num_gaps):
+                self.inter_token_latency.observe((times.last_token_time - since) / num_gaps)
+        if output.finished:
+            self._requests.pop(output.request_id, None)
+            self._count_finished(completion.finish_reason)
+            end = times.finished_time if times.finished_time is not None else times.last_token_time
+            if end is not None:
+                self.e2e_request_latency.observe(end - times.arrival_time)
+        elif num_new > 0:
+            self._requests[output.request_id] = _Seen(len(completion.token_ids),
+                                                      times.last_token_time)
+
+    def observe_aborted(self, request_id: str) -> None:
+        """Once for each request the engine aborted (`engine.abort(request_id)` returned True):
+        counts it as finished_reason="abort" and forgets it. Aborted requests produce no
+        RequestOutput, so without this call their state would stay. The gauges catch up at the
+        next observe_step; when no step follows (the engine is now idle), call
+        observe_step(engine, 0.0) to refresh them."""
+        self._requests.pop(request_id, None)
+        self._count_finished("abort")
+
+    def observe_rejected(self, reason: str) -> None:
+        """A request refused before it reached the engine; `reason` is one of REJECTED_REASONS."""
+        if reason not in self.requests_rejected:
+            raise ValueError(f"unknown rejection reason {reason!r}: one of {REJECTED_REASONS}")
+        self.requests_rejected[reason].inc()
+
+    def _count_finished(self, reason: str) -> None:
+        counter = self.request_success.get(reason)
+        if counter is None:
+            raise ValueError(f"unknown finish reason {reason!r}: one of {FINISHED_REASONS}")
+        counter.inc()
+
+    # -- exposition -----------------------------------------------------------------------------
+
+    def render(self) -> bytes:
+        """The registry in the Prometheus text format."""
+        return prometheus_client.generate_latest(self.registry)
+
+    def start_http_server(self, port: int, host: str = "127.0.0.1") -> int:
+        """Serves /metrics for this registry on a daemon thread; returns the bound port (port 0
+        picks a free one). Stop it with stop_http_server()."""
+        if self._http is not None:
+            raise RuntimeError("the metrics HTTP server is already running")
+        server, thread = prometheus_client.start_http_server(port, addr=host,
+                                                             registry=self.registry)
+        self._http = (server, thread)
+        return server.server_port
+
+    def stop_http_server(self) -> None:
+        """Stops the HTTP server and frees its port; does nothing if none is running."""
+        if self._http is None:
+            return
+        server, thread = self._http
+        self._http = None
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def _add_growth(counter, last: float, now: float) -> float:
+    """Adds `now - last` of a cumulative engine counter to `counter`; returns `now`."""
+    if now > last:
+        counter.inc(now - last)
+    return now
