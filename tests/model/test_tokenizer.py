@@ -19,7 +19,8 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from meshserve.model import tokenizer as tokenizer_module
 from meshserve.model.loading.hub import resolve_model
-from meshserve.model.tokenizer import IncrementalDecoder, Tokenizer, gguf_pre_tokenizer
+from meshserve.model.gguf_vocab import gguf_pre_tokenizer
+from meshserve.model.tokenizer import IncrementalDecoder, Tokenizer
 
 GOLDEN_PATH = Path(__file__).parents[1] / "golden" / "smollm2_tokenizer.json"
 STREAMING_TEXTS = [
@@ -292,8 +293,8 @@ def test_gguf_unknown_pre_tokenizer_names_supported_ones(tmp_path):
 
 
 def test_gguf_unsupported_tokenizer_model_is_a_clear_error(tmp_path):
-    path = write_tiny_gguf(tmp_path / "tiny.gguf", model="llama")
-    with pytest.raises(ValueError, match="tokenizer.ggml.model 'llama'.*'gpt2'"):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", model="bert")
+    with pytest.raises(ValueError, match="tokenizer.ggml.model 'bert'.*'gpt2'"):
         Tokenizer.from_gguf(path)
 
 
