@@ -45,3 +45,17 @@ def random_params(config, *, seed: int = 0, scale: float = 0.12) -> dict[str, np
         is_norm = "norm" in key
         params[key] = 1.0 + 0.1 * noise if is_norm and key.endswith("scale") else scale * noise
     return params
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compilation_cache(tmp_path_factory):
+    """One persistent XLA compilation cache for the session, set before anything compiles: the
+    same program (the same tiny model and settings, in test after test) is compiled once and then
+    loaded. jax reads the setting when it first compiles, so it must come first; the engines'
+    own `compilation_cache` setting cannot turn it on later in a process."""
+    import jax
+
+    directory = tmp_path_factory.getbasetemp().parent / "xla-cache"
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return directory
