@@ -29,7 +29,8 @@ import numpy as np
 from meshserve.model.canonical import (Checkpoint, CheckpointLayout, Conversion, check_finite,
                                        expected_shapes, numpy_dtype)
 from meshserve.model.config import ModelConfig
-from meshserve.model.loading.gguf_blocks import CanonicalLayout, kernel_format
+from meshserve.model.loading.gguf_blocks import (CanonicalLayout, common_format, kernel_format,
+                                                regrouped)
 from meshserve.model.quant_formats import KernelPlan, QuantFormat, QuantizedArray, quantize
 
 MAX_LISTED_NAMES = 5
@@ -96,14 +97,16 @@ def assemble(
 def assemble_quantized(slots: list[Slot], checkpoint: Checkpoint, plan: KernelPlan
                        ) -> QuantizedArray | None:
     """One kernel (every layer of it) as a `QuantizedArray`: kept in the file's own blocks when
-    every layer's block type fits one of the plan's bit widths with one format (GGUF), else
+    every layer's block type fits one of the plan's bit widths (GGUF; layers of different block
+    types share one format that holds each exactly, `common_format`), else
     quantized to the plan's format from its float weights, one layer at a time; None when the
     plan leaves float weights float."""
     kept = _kept_format(slots, checkpoint, plan)
     if kept is not None:
         layout = CanonicalLayout(slots[0].conversion.convert, slots[0].conversion.source_shape,
                                  kept)
-        layers = [layout.quantized(checkpoint.read_blocks(slot.source)) for slot in slots]
+        layers = [layout.quantized(regrouped(checkpoint.read_blocks(slot.source), kept))
+                  for slot in slots]
     elif plan.fmt is not None:
         layers = [quantize(slot.conversion.convert(checkpoint.read(slot.source)), plan.fmt)
                   for slot in slots]
@@ -119,16 +122,16 @@ def assemble_quantized(slots: list[Slot], checkpoint: Checkpoint, plan: KernelPl
 
 def _kept_format(slots: list[Slot], checkpoint: Checkpoint, plan: KernelPlan
                  ) -> QuantFormat | None:
-    """The format the slots' own blocks keep, in the first of the plan's bit widths where they
-    all keep one."""
+    """The format the slots' own blocks keep, in the first of the plan's bit widths where every
+    layer's blocks fit."""
     qtype = getattr(checkpoint, "qtype", None)
     if qtype is None:
         return None
     for bits in plan.keep_bits:
-        kept = {kernel_format(qtype(slot.source), bits, plan.num_contracted, plan.num_out)
-                for slot in slots}
-        if len(kept) == 1 and None not in kept:
-            return kept.pop()
+        kept = [kernel_format(qtype(slot.source), bits, plan.num_contracted, plan.num_out)
+                for slot in slots]
+        if None not in kept:
+            return common_format(kept)
     return None
 
 

@@ -20,7 +20,9 @@ and computed exactly as `gguf.quants` computes them):
 A tensor whose codes fit the chosen bit width (`fits`) becomes a `QuantizedArray` with the same
 codes, scales and mins (`canonical_quantized`), moved into the canonical kernel layout by the same
 index permutation as its float weights: so it computes exactly what the float path computes from
-the dequantized file. Other types (Q2_K, Q3_K, the IQ types) are not read here; the loader
+the dequantized file. The layers of one stacked kernel may be of different types (Q4_K_M files
+mix Q4_K and Q6_K in `ffn_down`): `common_format` gives one format that holds each exactly, and
+`regrouped` re-expresses a layer's blocks in it (scales repeated over a finer group, zero mins). Other types (Q2_K, Q3_K, the IQ types) are not read here; the loader
 dequantizes them and quantizes the floats instead.
 
 This module imports neither jax nor flax.
@@ -29,7 +31,8 @@ This module imports neither jax nor flax.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+import math
+from typing import Callable, Sequence
 
 import gguf
 import numpy as np
@@ -177,6 +180,34 @@ def kernel_format(qtype: _GGML, bits: int, num_contracted: int, num_out: int
     scale_dtype = "float32" if qtype in (_GGML.Q4_K, _GGML.Q5_K, _GGML.Q6_K) else "float16"
     return QuantFormat(bits=bits, group=kind.group, num_contracted=num_contracted,
                        num_out=num_out, has_mins=has_mins, scale_dtype=scale_dtype)
+
+
+def common_format(formats: Sequence[QuantFormat]) -> QuantFormat:
+    """One format that holds the blocks of every format in `formats` exactly (a stacked kernel
+    whose layers a file stores in different block types, as Q4_K_M files do): the finest group
+    (block groups are 16 or 32 weights, so it divides the others), mins when any layer has
+    them, float32 scales when any layer needs them (float16 values are exact in float32)."""
+    first = formats[0]
+    if all(fmt == first for fmt in formats):
+        return first
+    return dataclasses.replace(
+        first, group=math.gcd(*(fmt.group for fmt in formats)),
+        has_mins=any(fmt.has_mins for fmt in formats),
+        scale_dtype="float32" if any(fmt.scale_dtype == "float32" for fmt in formats)
+        else "float16")
+
+
+def regrouped(blocks: Blocks, fmt: QuantFormat) -> Blocks:
+    """`blocks` in `fmt`'s (finer or equal) group, with zero mins where `fmt` has mins and the
+    blocks have none: every weight's `code * scale + min` unchanged."""
+    factor = blocks.group // fmt.group
+    assert factor * fmt.group == blocks.group, (blocks.group, fmt.group)
+    scales = np.repeat(blocks.scales, factor, axis=-1)
+    if blocks.mins is not None:
+        mins = np.repeat(blocks.mins, factor, axis=-1)
+    else:
+        mins = np.zeros_like(scales) if fmt.has_mins else None
+    return Blocks(codes=blocks.codes, scales=scales, mins=mins, group=fmt.group)
 
 
 class CanonicalLayout:

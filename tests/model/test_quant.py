@@ -150,7 +150,8 @@ KERNEL_TYPES = {  # one GGUF block type per kernel, every layer alike
 @pytest.fixture(scope="module")
 def quantized_gguf(tmp_path_factory):
     """A GGUF whose kernels are each in another block type, Q/K permuted llama.cpp's way, the
-    embedding in Q8_0, and blk.1.ffn_up in Q8_0 where blk.0's is Q5_K."""
+    embedding in Q8_0, and, as in a Q4_K_M file, two kernels whose layers differ:
+    blk.1.ffn_up in Q8_0 where blk.0's is Q5_K, blk.1.ffn_down in Q4_K where blk.0's is Q6_K."""
     d = TINY_256
     hf = {"hidden_size": d["D"], "intermediate_size": d["F"], "num_hidden_layers": d["L"],
           "num_attention_heads": d["H"], "num_key_value_heads": d["K"], "vocab_size": d["V"],
@@ -162,6 +163,8 @@ def quantized_gguf(tmp_path_factory):
         qtype = KERNEL_TYPES.get(kind, GGML.Q8_0 if name == "token_embd.weight" else None)
         if name == "blk.1.ffn_up.weight":
             qtype = GGML.Q8_0
+        if name == "blk.1.ffn_down.weight":
+            qtype = GGML.Q4_K
         if qtype is not None:
             tensors[name] = (gguf.quants.quantize(tensors[name].astype(np.float32), qtype)
                              if qtype in (GGML.Q8_0, GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q5_1)
@@ -177,7 +180,7 @@ def test_gguf_blocks_load_into_kernels_exactly(quantized_gguf, scheme):
     equal the float loader's (which dequantizes with gguf); the rest are quantized floats."""
     _, floats = load_gguf(quantized_gguf)
     config, params = load_gguf(quantized_gguf, plans=scheme_plans(scheme))
-    kept = {"int8": {"q", "k", "v", "o", "gate", "down"}, "int4": {"q", "k", "gate"}}[scheme]
+    kept = {"int8": {"q", "k", "v", "o", "gate", "up", "down"}, "int4": {"q", "k", "gate"}}[scheme]
     for key, value in params.items():
         if not key.endswith("/kernel"):
             assert not isinstance(value, QuantizedArray)
@@ -187,7 +190,7 @@ def test_gguf_blocks_load_into_kernels_exactly(quantized_gguf, scheme):
         name = key.split("/")[-2]
         if name in kept:
             np.testing.assert_array_equal(dequantize(value), floats[key], err_msg=key)
-        else:  # up mixes Q5_K and Q8_0 over its layers: requantized, within its steps
+        else:  # v, o, down and up (Q5_K and Q8_0) do not fit 4 bits: requantized
             assert value.format == scheme_format(scheme, value.format.num_contracted,
                                                  value.format.num_out), key
             tolerance = 0.02 if scheme == "int8" else 0.15
@@ -198,19 +201,26 @@ def test_gguf_blocks_load_into_kernels_exactly(quantized_gguf, scheme):
 
 
 @pytest.mark.parametrize("platform, want_bits", [
-    ("gpu", {"q": 4, "k": 4, "gate": 4, "v": 8, "o": 8, "down": 8}),
-    ("cpu", {"q": 8, "k": 8, "gate": 8, "v": 8, "o": 8, "down": 8}),
+    ("gpu", {"q": 4, "k": 4, "gate": 4, "v": 8, "o": 8, "up": 8, "down": 8}),
+    ("cpu", {"q": 8, "k": 8, "gate": 8, "v": 8, "o": 8, "up": 8, "down": 8}),
 ])
 def test_auto_keeps_every_block_type_that_fits_and_leaves_the_rest_float(quantized_gguf,
                                                                          platform, want_bits):
     """auto on a GPU: 4-bit blocks as int4, 5- to 8-bit ones as int8; on the CPU every block in
-    int8 containers; exactly, either way. A kernel whose layers mix block formats (up: Q5_K and
-    Q8_0) stays float."""
+    int8 containers; exactly, either way. A kernel whose layers mix block types (up: Q5_K and
+    Q8_0) is kept in one int8 format that holds both (mins, float32 scales); no kernel of a
+    quantized file stays float."""
     _, floats = load_gguf(quantized_gguf)
     _, params = load_gguf(quantized_gguf, plans=scheme_plans("auto", platform=platform))
     bits = {key.split("/")[-2]: value.format.bits for key, value in params.items()
             if isinstance(value, QuantizedArray)}
     assert bits == want_bits
+    formats = {key.split("/")[-2]: value.format for key, value in params.items()
+               if isinstance(value, QuantizedArray)}
+    # down: Q6_K's groups of 16 without mins and Q4_K's of 32 with them, in one format
+    assert (formats["down"].group, formats["down"].has_mins) == (16, True)
+    assert formats["down"].scale_dtype == "float32"
+    assert (formats["up"].group, formats["up"].has_mins) == (32, True)
     for key, value in params.items():
         want = floats[key]
         got = dequantize(value) if isinstance(value, QuantizedArray) else value
