@@ -72,6 +72,9 @@ def test_every_result_names_a_commit_in_the_history(path, full_history):
     assert _git("merge-base", "--is-ancestor", commit, "HEAD").returncode == 0, (
         f"{path.name} names commit {commit[:12]}, which is not in HEAD's history (rewritten "
         f"before it landed?); stamp the commit whose source ran, with a provenance note")
+    if "provenance" in result:  # why the stamp says what it says, in prose beside it
+        assert isinstance(result["provenance"], str) and result["provenance"], (
+            f"{path.name}: provenance must be a sentence saying why, not fields of its own")
     if "git_dirty" in stamp:
         assert stamp["git_dirty"] in (True, False), f"{path.name}: git_dirty must be a boolean"
     if stamp.get("git_dirty_paths"):
