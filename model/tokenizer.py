@@ -197,8 +197,9 @@ class Tokenizer:
         self._special = special
         self._chat_template = chat_template
         self._space_prefix = space_prefix
-        self._control_ids = frozenset(
-            i for i, token in backend.get_added_tokens_decoder().items() if token.special)
+        self._control_ids = frozenset(  # only decode's space rule reads them
+            i for i, token in backend.get_added_tokens_decoder().items() if token.special
+        ) if space_prefix else frozenset()
         self._max_token_chars: int | None = None
         self._renders_tools: bool | None = None
 

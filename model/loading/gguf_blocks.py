@@ -200,6 +200,8 @@ def common_format(formats: Sequence[QuantFormat]) -> QuantFormat:
 def regrouped(blocks: Blocks, fmt: QuantFormat) -> Blocks:
     """`blocks` in `fmt`'s (finer or equal) group, with zero mins where `fmt` has mins and the
     blocks have none: every weight's `code * scale + min` unchanged."""
+    if blocks.group == fmt.group and (blocks.mins is not None) == fmt.has_mins:
+        return blocks
     factor = blocks.group // fmt.group
     assert factor * fmt.group == blocks.group, (blocks.group, fmt.group)
     scales = np.repeat(blocks.scales, factor, axis=-1)

@@ -6,6 +6,7 @@ SmolLM2-135M-Instruct and reads it back, tokenizer included.
 
 import json
 import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,7 @@ from meshserve.sharding.mesh import MeshConfig
 from tests.conftest import random_params
 
 TINY = ModelConfig.preset("tiny-llama")
+GGUF_VOCABS = Path(__file__).parents[1] / "golden" / "gguf-vocab"
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
                  "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
                  "{% endif %}")
@@ -214,6 +216,17 @@ def test_tokenizer_round_trips_with_its_special_ids_and_template(tiny_model, tmp
     plain = Tokenizer.from_file(path / "tokenizer.json")  # the HF-style pair reads on its own
     assert plain.encode(TEXTS[2]) == tokenizer.encode(TEXTS[2])
     assert plain.chat_template == CHAT_TEMPLATE
+
+
+def test_a_sentencepiece_tokenizer_keeps_its_space_prefix(tiny_model, tmp_path):
+    """The space SentencePiece's add_space_prefix puts in front is dropped on decode after a
+    restore too."""
+    tokenizer = Tokenizer.from_gguf(GGUF_VOCABS / "tiny-spm.gguf")
+    path = save_checkpoint(tiny_model, tokenizer, tmp_path / "with_spm")
+    _, _, restored = load_checkpoint(path)
+    ids = tokenizer.encode("The capital of France is", add_special_tokens=False)
+    assert restored.encode("The capital of France is", add_special_tokens=False) == ids
+    assert restored.decode(ids) == tokenizer.decode(ids) == "The capital of France is"
 
 
 def test_is_checkpoint(saved, tmp_path):
