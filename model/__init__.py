@@ -6,7 +6,7 @@
     loading/              files to a model: GGUF files and HF directories -> canonical params,
                           `load_pretrained` (a name or path -> model and tokenizer, quantized),
                           meshserve's own orbax checkpoints, known models and their fetching
-    gguf_reader.py        a GGUF file opened once, for the loaders and the tokenizer
+    gguf_reader.py        GGUF files read once: metadata, and tensors mapped from the file
     tokenizer.py          tokenizers, chat templates and streaming detokenization
     layers.py, attention.py, moe.py, transformer.py
                           the network (Flax NNX), which knows only shapes

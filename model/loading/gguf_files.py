@@ -20,7 +20,7 @@ import numpy as np
 from meshserve.model.canonical import check_params, require_dtype
 from meshserve.model.config import ModelConfig
 from meshserve.model.families import gguf_family
-from meshserve.model.gguf_reader import open_gguf
+from meshserve.model.gguf_reader import GGUFFile, as_python, open_gguf
 from meshserve.model.loading.assembly import Params, Place, Plans, assemble, plan_slots
 from meshserve.model.loading.gguf_blocks import decode_blocks
 
@@ -35,27 +35,25 @@ GGUF_EMBEDDING = "token_embd.weight"  # every architecture's token embedding
 class GGUFCheckpoint:
     """The tensors of an open GGUF file, dequantized to float32 `[out, in]` on read."""
 
-    def __init__(self, path: Path, reader: gguf.GGUFReader):
+    def __init__(self, path: Path, reader: GGUFFile):
         self.origin = str(path)
-        self._tensors = {tensor.name: tensor for tensor in reader.tensors}
+        self._tensors = reader.tensors
         self.names = frozenset(self._tensors)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(n) for n in reversed(self._tensors[name].shape.tolist()))
+        return self._tensors[name].shape
 
     def qtype(self, name: str) -> gguf.GGMLQuantizationType:
-        return self._tensors[name].tensor_type
+        return self._tensors[name].ggml_type
 
     def read_blocks(self, name: str):
         """The tensor's block fields, not dequantized (`meshserve.model.loading.gguf_blocks`)."""
         tensor = self._tensors[name]
-        return decode_blocks(np.asarray(tensor.data), tensor.tensor_type, self.shape(name))
+        return decode_blocks(tensor.data, tensor.ggml_type, tensor.shape)
 
     def read(self, name: str) -> np.ndarray:
         tensor = self._tensors[name]
-        # A plain ndarray view of the memmap spares gguf's row loop numpy.memmap's slicing overhead.
-        values = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
-        return values.reshape(self.shape(name))
+        return gguf.quants.dequantize(tensor.data, tensor.ggml_type).reshape(tensor.shape)
 
 
 def load_gguf(path: str | os.PathLike, *, dtype: str = "float32", place: Place | None = None,
@@ -79,18 +77,18 @@ def load_gguf(path: str | os.PathLike, *, dtype: str = "float32", place: Place |
     return config, params
 
 
-def gguf_metadata(reader: gguf.GGUFReader, checkpoint: GGUFCheckpoint) -> dict[str, Any]:
-    """The metadata fields as plain values, plus the vocab size if the file omits it.
+def gguf_metadata(reader: GGUFFile, checkpoint: GGUFCheckpoint) -> dict[str, Any]:
+    """The metadata fields as plain Python values (arrays as lists), plus the vocab size if the
+    file omits it.
 
     The tokenizer's array fields (tokens, merges) are skipped: they are large and the config
     needs only their length, which the embedding's row count also gives. Other arrays are small
     (a sliding-window pattern, one flag per layer) and kept.
     """
     fields = {
-        name: field.contents()
-        for name, field in reader.fields.items()
-        if field.types and (field.types[0] != gguf.GGUFValueType.ARRAY
-                            or not name.startswith("tokenizer."))
+        name: as_python(value)
+        for name, value in reader.metadata.items()
+        if not (name.startswith("tokenizer.") and isinstance(value, (list, np.ndarray)))
     }
     vocab_key = f"{fields.get('general.architecture')}.vocab_size"
     if vocab_key not in fields and GGUF_EMBEDDING in checkpoint.names:

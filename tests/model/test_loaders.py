@@ -22,6 +22,7 @@ from safetensors.numpy import save_file
 from meshserve.model.canonical import check_params, expected_shapes
 from meshserve.model.config import ModelConfig
 from meshserve.model.families.llama import unpermute_rows
+from meshserve.model.gguf_reader import open_gguf
 from meshserve.model.loading import gguf_files as loaders
 from meshserve.model.loading import load_gguf, load_hf, load_weights
 
@@ -737,10 +738,10 @@ def test_load_gguf_rejects_rope_frequency_factors(tmp_path):
 def test_load_gguf_metadata_that_does_not_match_the_weights(tmp_path):
     tiny_gguf_llama(tmp_path / "tiny.gguf")
     metadata = gguf_llama_metadata("llama", **(GGUF_LLAMA | {"F": 96}))
-    reader = gguf.GGUFReader(tmp_path / "tiny.gguf")
+    reader = open_gguf(tmp_path / "tiny.gguf")
     tensors = {
-        t.name: np.array(t.data) if t.tensor_type == GGML.F32 else (np.array(t.data), t.tensor_type)
-        for t in reader.tensors
+        t.name: np.array(t.data) if t.ggml_type == GGML.F32 else (np.array(t.data), t.ggml_type)
+        for t in reader.tensors.values()
     }
     write_gguf(tmp_path / "bad.gguf", "llama", metadata, tensors)
     message = r"'blk.0.ffn_gate.weight' has shape \(64, 32\).*\(96, 32\)"
@@ -841,11 +842,11 @@ def test_smollm2_params(smollm2):
 @pytest.mark.slow
 def test_smollm2_q_and_k_are_unpermuted_from_the_raw_rows(smollm2, smollm2_path):
     config, params, _ = smollm2
-    raw = {t.name: t for t in gguf.GGUFReader(smollm2_path).tensors}
+    raw = open_gguf(smollm2_path).tensors
     projections = [("attn_q", "q", config.num_heads), ("attn_k", "k", config.num_kv_heads)]
     for name, key, heads in projections:
         tensor = raw[f"blk.3.{name}.weight"]
-        permuted = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        permuted = gguf.quants.dequantize(tensor.data, tensor.ggml_type)
         hf_layout = params[f"layers/attn/{key}/kernel"][3].reshape(576, heads * 64).T
         np.testing.assert_array_equal(llamacpp_permute(hf_layout, heads), permuted, err_msg=name)
 
