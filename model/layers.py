@@ -28,6 +28,7 @@ from flax import nnx
 
 from meshserve.model.config import ModelConfig, RopeScaling
 from meshserve.model.quantized_kernel import QuantizedKernel, quantized_matmul
+from meshserve.model.quantized_table import table_logits, table_rows
 
 
 def normal_init(stddev: float):
@@ -137,11 +138,17 @@ class LayerNorm(nnx.Module):
 
 
 class Embed(nnx.Module):
+    """A table of one row per id. The table is a float `nnx.Param`, or a `QuantizedKernel` kept
+    in a file's own blocks (`meshserve.model.quantized_table`); either reads the same."""
+
     def __init__(self, num_embeddings: int, dim: int, axes: tuple[str, str], *, dtype: str,
                  rngs: nnx.Rngs, init=normal_init(0.02)):
+        self.dtype = dtype
         self.embedding = param(rngs, (num_embeddings, dim), axes, dtype=dtype, init=init)
 
     def __call__(self, ids: jax.Array) -> jax.Array:
+        if isinstance(self.embedding, QuantizedKernel):
+            return table_rows(self.embedding.array(), ids, jnp.dtype(self.dtype))
         return jnp.take(self.embedding[...], ids, axis=0)
 
     def scaled(self, ids: jax.Array) -> jax.Array:
@@ -152,6 +159,8 @@ class Embed(nnx.Module):
 
     def attend(self, x: jax.Array) -> jax.Array:
         """The tied output projection: x [..., D] -> logits [..., V]."""
+        if isinstance(self.embedding, QuantizedKernel):
+            return table_logits(x, self.embedding.array())
         return jnp.einsum("...d,vd->...v", x, self.embedding[...])
 
 

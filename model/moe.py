@@ -17,6 +17,15 @@ computed on an expert it did not choose. Each expert wastes at most B - 1 paddin
 but XLA:CPU, and XLA:GPU outside cuDNN's fused path, lower it to a masked product over every
 expert: E / k times the work, the dense compute a mixture exists to avoid.
 
+Quantized experts. Each of gate, up and down is a float stack or a `QuantizedKernel` holding the
+codes, scales and mins of every expert (stacked as the float weights are, expert axis in front of
+the kernel's own axes; `meshserve.model.quantized_weights` makes them, the loaders keep a GGUF's
+expert blocks in them). A tile then reads its one expert's codes and scales out of the stack and
+dequantizes only that expert's kernel, inside the tile loop, by the matmul every quantized `Dense`
+runs (`quantized_matmul`: int8 as one dot, int4 as two over each group's low and high nibbles):
+no buffer holds more than one expert's kernel in float, as the float path reads one expert's
+weights per tile.
+
 Splitting the experts over the mesh is decided outside, by `meshserve.sharding.experts`, which
 sets `ExpertSplit` on the module: the mesh axis that splits the experts (expert parallelism:
 each device holds E / m whole experts) and the one that splits each expert's width (tensor
@@ -39,12 +48,16 @@ from jax.sharding import Mesh, PartitionSpec
 
 from meshserve.model.config import ModelConfig
 from meshserve.model.layers import Dense, param
+from meshserve.model.quant_formats import QuantizedArray, dequantize
+from meshserve.model.quantized_kernel import QuantizedKernel, quantized_axes, quantized_matmul
 
 # Rows of one grouped-matmul tile at most: large enough for efficient matmuls in prefill, while
 # small steps get tiles near their expected rows per expert (`tile_rows`).
 MAX_TILE_ROWS = 128
 EXPERT_AXES = ("expert", "embed", "expert_ffw")  # gate and up [E, D, F]
 EXPERT_DOWN_AXES = ("expert", "expert_ffw", "embed")  # down [E, F, D]
+# One stack of expert kernels [E, in, out]: float, or every expert's codes and scales.
+Stack = jax.Array | QuantizedArray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,20 +92,27 @@ class MoeMLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         logits = self.router(x).astype(jnp.float32)  # [N, E]
         weights, chosen = route(logits, self.moe.experts_per_token, self.moe.renormalize)
-        e = self.experts
-        y = routed_experts(x, chosen, weights, e.gate[...], e.up[...], e.down[...], self.split)
+        y = routed_experts(x, chosen, weights, *self.experts.stacks(), self.split)
         if self.shared is not None:
             y = y + self.shared(x)
         return y
 
 
 class Experts(nnx.Module):
+    """The routed experts' weights: gate and up [E, D, F], down [E, F, D] (a layer axis in
+    front when stacked), each a float `nnx.Param` or a `QuantizedKernel` of every expert."""
+
     def __init__(self, num_experts: int, dim: int, width: int, *, dtype: str, rngs: nnx.Rngs,
                  stack: tuple[int, ...]):
         kw = dict(dtype=dtype, stack=stack)
         self.gate = param(rngs, (num_experts, dim, width), EXPERT_AXES, **kw)
         self.up = param(rngs, (num_experts, dim, width), EXPERT_AXES, **kw)
         self.down = param(rngs, (num_experts, width, dim), EXPERT_DOWN_AXES, **kw)
+
+    def stacks(self) -> tuple[Stack, Stack, Stack]:
+        """gate, up and down as the grouped matmul reads them."""
+        return tuple(w.array() if isinstance(w, QuantizedKernel) else w[...]
+                     for w in (self.gate, self.up, self.down))
 
 
 class SharedExpert(nnx.Module):
@@ -120,13 +140,13 @@ def route(logits: jax.Array, k: int, renormalize: bool) -> tuple[jax.Array, jax.
     return weights, chosen.astype(jnp.int32)
 
 
-def routed_experts(x: jax.Array, chosen: jax.Array, weights: jax.Array, gate: jax.Array,
-                   up: jax.Array, down: jax.Array, split: ExpertSplit | None) -> jax.Array:
+def routed_experts(x: jax.Array, chosen: jax.Array, weights: jax.Array, gate: Stack, up: Stack,
+                   down: Stack, split: ExpertSplit | None) -> jax.Array:
     """Each token's weighted sum over its chosen experts. x [N, D], chosen/weights [N, k],
     gate/up [E, D, F], down [E, F, D] -> [N, D]. With a split, under `jax.shard_map`."""
     if split is None:
         return local_experts(x, chosen, weights, gate, up, down, first_expert=0)
-    ea, wa = split.expert_axis, split.width_axis
+    ea = split.expert_axis
     num_local = gate.shape[0] // split.mesh.shape[ea] if ea else gate.shape[0]
 
     def partial_sum(x, chosen, weights, gate, up, down):
@@ -140,13 +160,27 @@ def routed_experts(x: jax.Array, chosen: jax.Array, weights: jax.Array, gate: ja
     replicated = PartitionSpec()
     return jax.shard_map(
         partial_sum, mesh=mesh, axis_names=set(split.axes), check_vma=False,
-        in_specs=(replicated, replicated, replicated, PartitionSpec(ea, None, wa),
-                  PartitionSpec(ea, None, wa), PartitionSpec(ea, wa, None)),
+        in_specs=(replicated, replicated, replicated, _split_spec(gate, EXPERT_AXES, split),
+                  _split_spec(up, EXPERT_AXES, split), _split_spec(down, EXPERT_DOWN_AXES, split)),
         out_specs=replicated)(x, chosen, weights, gate, up, down)
 
 
-def local_experts(x: jax.Array, chosen: jax.Array, weights: jax.Array, gate: jax.Array,
-                  up: jax.Array, down: jax.Array, *, first_expert) -> jax.Array:
+def _split_spec(stack: Stack, axes: tuple[str, ...], split: ExpertSplit
+                ) -> PartitionSpec | QuantizedArray:
+    """How `split` cuts a stack of logical axes `axes`: a quantized stack's codes, scales and
+    mins each by their own logical axes (`quantized_axes`), so every device holds its experts'
+    (or its slice of every expert's) codes with their scales."""
+    mesh_axes = {"expert": split.expert_axis, "expert_ffw": split.width_axis}
+    spec = lambda names: PartitionSpec(*(mesh_axes.get(a) for a in names))  # noqa: E731
+    if not isinstance(stack, QuantizedArray):
+        return spec(axes)
+    named = quantized_axes(stack.format, axes)
+    return dataclasses.replace(stack, values=spec(named["values"]), scales=spec(named["scales"]),
+                               mins=spec(named["mins"]) if "mins" in named else None)
+
+
+def local_experts(x: jax.Array, chosen: jax.Array, weights: jax.Array, gate: Stack, up: Stack,
+                  down: Stack, *, first_expert) -> jax.Array:
     """The part of `routed_experts` that experts first_expert .. first_expert + E_local - 1
     (`gate.shape[0]` of them) compute. -> [N, D], zero for the other assignments."""
     num_tokens, k = chosen.shape
@@ -172,13 +206,14 @@ def tile_rows(num_assignments: int, num_experts: int) -> int:
     return min(MAX_TILE_ROWS, 1 << (expected - 1).bit_length())
 
 
-def grouped_swiglu(rows: jax.Array, sizes: jax.Array, gate: jax.Array, up: jax.Array,
-                   down: jax.Array, *, tile: int) -> jax.Array:
+def grouped_swiglu(rows: jax.Array, sizes: jax.Array, gate: Stack, up: Stack, down: Stack, *,
+                   tile: int) -> jax.Array:
     """SwiGLU of each group of rows on its expert: rows [A, D] sorted by expert, the first
     sizes[0] on expert 0 and so on (rows past sum(sizes) are left 0); gate/up [E, D, F], down
     [E, F, D] -> [A, D].
 
-    Each expert's rows are cut into tiles of `tile` rows; a loop runs only the tiles that exist.
+    Each expert's rows are cut into tiles of `tile` rows; a loop runs only the tiles that exist,
+    each reading its own expert's weights (`expert_matmul`).
     """
     num_rows, num_experts = rows.shape[0], sizes.shape[0]
     tiles = tile_table(sizes, tile, max_tiles=-(-(num_rows + num_experts * (tile - 1)) // tile))
@@ -187,8 +222,8 @@ def grouped_swiglu(rows: jax.Array, sizes: jax.Array, gate: jax.Array, up: jax.A
     def one_tile(i, out):
         expert, start, count = tiles.expert[i], tiles.start[i], tiles.count[i]
         x = jax.lax.dynamic_slice_in_dim(padded, start, tile)  # [B, D]
-        h = jax.nn.silu(x @ gate[expert]) * (x @ up[expert])  # [B, F]
-        y = (h @ down[expert]).astype(out.dtype)  # [B, D]
+        h = jax.nn.silu(expert_matmul(x, gate, expert)) * expert_matmul(x, up, expert)  # [B, F]
+        y = expert_matmul(h, down, expert).astype(out.dtype)  # [B, D]
         # Rows past this tile's count belong to the next group (or to none): keep them.
         keep = (jnp.arange(tile) < count)[:, None]
         kept = jax.lax.dynamic_slice_in_dim(out, start, tile)
@@ -196,6 +231,15 @@ def grouped_swiglu(rows: jax.Array, sizes: jax.Array, gate: jax.Array, up: jax.A
 
     out = jax.lax.fori_loop(0, tiles.num_tiles, one_tile, jnp.zeros_like(padded))
     return out[:num_rows]
+
+
+def expert_matmul(x: jax.Array, stack: Stack, expert: jax.Array) -> jax.Array:
+    """x [B, I] times the kernel [I, O] of expert `expert` (a scalar) of `stack` [E, I, O]. Of
+    a quantized stack only that expert's codes, scales and mins are read, and dequantized as
+    a quantized `Dense` kernel is."""
+    if isinstance(stack, QuantizedArray):
+        return quantized_matmul("bi,io->bo", x, stack.map(lambda a: a[expert]))
+    return x @ stack[expert]
 
 
 @jax.tree_util.register_dataclass
@@ -225,9 +269,12 @@ def tile_table(sizes: jax.Array, tile: int, *, max_tiles: int) -> TileTable:
                      count=count.astype(jnp.int32), num_tiles=tiles_end[-1])
 
 
-def grouped_swiglu_ragged(rows: jax.Array, sizes: jax.Array, gate: jax.Array, up: jax.Array,
-                          down: jax.Array) -> jax.Array:
+def grouped_swiglu_ragged(rows: jax.Array, sizes: jax.Array, gate: Stack, up: Stack,
+                          down: Stack) -> jax.Array:
     """`grouped_swiglu` with `jax.lax.ragged_dot`: the same result (see the module docstring
-    for why it is not the one served)."""
+    for why it is not the one served). A cross-check, not a served path: a quantized stack is
+    dequantized whole, to float32, first."""
+    gate, up, down = (dequantize(w, xp=jnp).astype(rows.dtype) if isinstance(w, QuantizedArray)
+                      else w for w in (gate, up, down))
     h = jax.nn.silu(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(rows, up, sizes)
     return jax.lax.ragged_dot(h, down, sizes).astype(rows.dtype)

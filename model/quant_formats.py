@@ -4,7 +4,8 @@ A quantized kernel stores integer codes and, per group of codes, a scale and (op
 minimum; each weight is `code * scale + min`. Groups run along the kernel's last contracted axis
 (the axis a matmul sums over), `group` weights each; a format without a group has one scale per
 output channel, over the whole contraction. Shapes, for a kernel `[*c, *out]` (contracted axes c,
-output axes out, with an optional leading layer axis in front of both):
+output axes out, with optional stack axes in front of both: a layer axis, a routed expert
+stack's expert axis):
 
     bits 8   codes  int8   [*c, *out]                  the kernel's own shape and axes
     bits 4   codes  uint8  [*c[:-1], c[-1] / 2, *out]  two codes a byte: in each group, code j
@@ -41,7 +42,8 @@ INT4_LEVELS = 15
 @dataclasses.dataclass(frozen=True)
 class QuantFormat:
     """How one kernel is stored. `num_contracted` and `num_out` count the kernel's contracted and
-    output axes (a layer axis in front is neither); `group` is None for per-channel scales."""
+    output axes (stack axes in front, a layer's or an expert's, are neither); `group` is None for
+    per-channel scales."""
 
     bits: int
     group: int | None

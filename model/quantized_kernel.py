@@ -7,7 +7,8 @@ kernel's axes (an int4 kernel halves its last contracted axis), and grouped scal
 so a tensor-parallel split of the float kernel splits the codes and their scales alike
 (`quantized_axes`).
 
-`quantized_matmul` is the one matmul of every quantized kernel. Activations stay in their dtype,
+`quantized_matmul` is the one matmul of every quantized kernel (a `Dense`'s, or one routed
+expert's, which `meshserve.model.moe` slices out of its stack). Activations stay in their dtype,
 and codes become values right before the dot, in the layer scan, one layer's kernel at a time:
 - int8: the layer's whole kernel is dequantized (per-channel scales multiply the dot's output
   instead) and runs as one dot. XLA:CPU writes that one layer's values to a buffer, in cache,
@@ -18,6 +19,9 @@ and codes become values right before the dot, in the layer scan, one layer's ker
   separate cores).
 `scripts/quant_matmul_bench.py` times both against float32; `tests/model/test_quant.py` reads the
 compiled HLO to hold both layouts.
+
+On devices a `QuantizedArray` is a pytree (its arrays the leaves, its format static), so a
+stack of them can pass through `jax.shard_map` and be sliced like an array.
 
 Which kernels of a model are quantized, and turning them so, is `meshserve.model.quantized_weights`.
 """
@@ -31,6 +35,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshserve.model.quant_formats import QuantFormat, QuantizedArray, last_contracted_axis
+
+jax.tree_util.register_dataclass(QuantizedArray, data_fields=["values", "scales", "mins"],
+                                 meta_fields=["format"])
 
 
 class QuantizedKernel(nnx.Module):
@@ -59,10 +66,13 @@ def _per_channel_axes(axes: tuple, fmt: QuantFormat) -> tuple:
     return axes[:stack] + axes[len(axes) - fmt.num_out:]
 
 
-def quantized_matmul(spec: str, x: jax.Array, kernel: QuantizedKernel) -> jax.Array:
+def quantized_matmul(spec: str, x: jax.Array, kernel: QuantizedKernel | QuantizedArray
+                     ) -> jax.Array:
     """`jnp.einsum(spec, x, dequantized kernel)`, for a spec whose contracted axes end `x` and
-    begin the kernel (every `Dense` of the model): one dot for int8, two for int4."""
-    fmt = kernel.fmt
+    begin the kernel (every `Dense` of the model, and one expert of a stack): one dot for int8,
+    two for int4."""
+    q = kernel.array() if isinstance(kernel, QuantizedKernel) else kernel
+    fmt = q.format
     inputs, out = spec.split("->")
     lhs, rhs = inputs.split(",")
     n = fmt.num_contracted
@@ -71,12 +81,12 @@ def quantized_matmul(spec: str, x: jax.Array, kernel: QuantizedKernel) -> jax.Ar
     flat = f"{lhs[:len(lhs) - n]}{m},{m}{rhs[n:]}->{out}"
     with jax.named_scope(f"quantized {spec}"):
         if fmt.bits == 8:
-            y = jnp.einsum(flat, _flat_lhs(x, n), _flat_rhs(_dequantized(kernel, x.dtype), n))
+            y = jnp.einsum(flat, _flat_lhs(x, n), _flat_rhs(_dequantized(q, x.dtype), n))
         else:
             y = sum(jnp.einsum(flat, _flat_lhs(xh, n + 1), _flat_rhs(wh, n + 1))
-                    for xh, wh in zip(_split_x(x, fmt), _dequantized_halves(kernel, x.dtype)))
+                    for xh, wh in zip(_split_x(x, fmt), _dequantized_halves(q, x.dtype)))
         if fmt.group is None:  # per-channel scales multiply the output, not the weights
-            y = y * kernel.scales[...].astype(y.dtype)
+            y = y * q.scales.astype(y.dtype)
     return y
 
 
@@ -90,19 +100,16 @@ def _flat_rhs(w: jax.Array, k: int) -> jax.Array:
     return w.reshape(math.prod(w.shape[:k]), *w.shape[k:])
 
 
-def _dequantized(kernel: QuantizedKernel, dtype) -> jax.Array:
+def _dequantized(q: QuantizedArray, dtype) -> jax.Array:
     """An int8 kernel's values [*c, *out] in `dtype` (per channel: its codes; the scales come
     after the dot)."""
-    fmt = kernel.fmt
-    codes = kernel.values[...]
+    fmt = q.format
     if fmt.group is None:
-        return codes.astype(dtype)
-    axis = codes.ndim + last_contracted_axis(fmt)
-    grouped = _split_axis(codes, axis, fmt.group)  # [..., n, group, *out]
-    scales = jnp.expand_dims(kernel.scales[...].astype(dtype), axis + 1)  # [..., n, 1, *out]
-    mins = None if kernel.mins is None else jnp.expand_dims(kernel.mins[...].astype(dtype),
-                                                            axis + 1)
-    return _values(grouped, scales, mins, dtype).reshape(codes.shape)
+        return q.values.astype(dtype)
+    axis = q.values.ndim + last_contracted_axis(fmt)
+    grouped = _split_axis(q.values, axis, fmt.group)  # [..., n, group, *out]
+    scales, mins = _group_scales(q, axis, dtype)  # [..., n, 1, *out]
+    return _values(grouped, scales, mins, dtype).reshape(q.values.shape)
 
 
 def _split_x(x: jax.Array, fmt: QuantFormat) -> tuple[jax.Array, jax.Array]:
@@ -112,18 +119,22 @@ def _split_x(x: jax.Array, fmt: QuantFormat) -> tuple[jax.Array, jax.Array]:
     return x[..., :fmt.group // 2], x[..., fmt.group // 2:]
 
 
-def _dequantized_halves(kernel: QuantizedKernel, dtype) -> tuple[jax.Array, jax.Array]:
+def _dequantized_halves(q: QuantizedArray, dtype) -> tuple[jax.Array, jax.Array]:
     """An int4 kernel's two halves [*c[:-1], n, group / 2, *out] (its low and its high
     nibbles) as values in `dtype`."""
-    fmt = kernel.fmt
-    values = kernel.values[...]
-    axis = values.ndim + last_contracted_axis(fmt)
-    packed = _split_axis(values, axis, fmt.group // 2)  # [..., n, group / 2, *out]
+    fmt = q.format
+    axis = q.values.ndim + last_contracted_axis(fmt)
+    packed = _split_axis(q.values, axis, fmt.group // 2)  # [..., n, group / 2, *out]
     low, high = packed & 15, packed >> 4
-    scales = jnp.expand_dims(kernel.scales[...].astype(dtype), axis + 1)  # [..., n, 1, *out]
-    mins = None if kernel.mins is None else jnp.expand_dims(kernel.mins[...].astype(dtype),
-                                                            axis + 1)
+    scales, mins = _group_scales(q, axis, dtype)  # [..., n, 1, *out]
     return tuple(_values(codes, scales, mins, dtype) for codes in (low, high))
+
+
+def _group_scales(q: QuantizedArray, axis: int, dtype) -> tuple[jax.Array, jax.Array | None]:
+    """Grouped scales and mins [..., n, *out] -> [..., n, 1, *out] in `dtype`."""
+    scales = jnp.expand_dims(q.scales.astype(dtype), axis + 1)
+    mins = None if q.mins is None else jnp.expand_dims(q.mins.astype(dtype), axis + 1)
+    return scales, mins
 
 
 def _split_axis(a: jax.Array, axis: int, width: int) -> jax.Array:

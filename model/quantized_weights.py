@@ -1,6 +1,10 @@
 """A model's quantized kernels: which kernels a scheme quantizes, and turning them so.
 
-`dense_kernels` finds every `Dense` whose kernel a scheme quantizes (all but `FLOAT_KERNELS`).
+`dense_kernels` finds every `Dense` whose kernel a scheme quantizes (all but `FLOAT_KERNELS`),
+`expert_kernels` a mixture's routed expert stacks (quantized per expert, the expert axis in front
+like a layer axis), and `quantizable_kernels` is both. `table_kernels` are the embedding tables,
+which only a file's own blocks quantize (`table_plans`); `held_kernels`, every weight that may be
+held quantized, is what `install`, `model_weights` and `quantized_arrays` cover.
 `quantize_model` is the one step that quantizes a model's float kernels by a scheme, on the
 kernels' own devices; kernels already quantized (loaded so) stay as they are, so it can run on
 any model. `install` puts loaded `QuantizedArray`s into a model's structure, `model_weights` and
@@ -17,18 +21,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from meshserve.model.layers import Dense
-from meshserve.model.quant_formats import (QuantFormat, QuantizedArray, check_groups, quantize,
-                                           scheme_format, stored_dtypes, stored_shapes)
+from meshserve.model.layers import Dense, Embed
+from meshserve.model.moe import Experts
+from meshserve.model.quant_formats import (KernelPlan, QuantFormat, QuantizedArray, auto_keep_bits,
+                                           check_groups, quantize, scheme_format, stored_dtypes,
+                                           stored_shapes)
 from meshserve.model.quantized_kernel import QuantizedKernel, quantized_axes
 
 
-# Dense modules whose kernels stay float under every scheme, by their attribute name. The LM
-# head: a quantized table measured no faster (docs/models.md). A mixture's router and its shared
+# Dense modules whose kernels stay float under every scheme, by their attribute name. An untied
+# LM head: read whole every step, its codes would be converted whole as a tied table's are, which
+# XLA:CPU does slower than it reads float32 (`table_plans`; docs/models.md). A mixture's router and its shared
 # expert's sigmoid gate: a few columns each, and a rounding that moves a router logit past
 # another changes which experts run, so routing stays the float model's. (The routed experts
-# themselves are stacked `[E, ...]` weights the grouped matmul reads, not `Dense` kernels: they
-# stay float too.)
+# themselves are quantized: `expert_kernels`.)
 FLOAT_KERNELS = frozenset({"lm_head", "router", "scale"})
 
 
@@ -49,11 +55,92 @@ def dense_kernels(model: nnx.Module) -> dict[str, tuple[Any, int, int]]:
     return found
 
 
+class ExpertStack:
+    """One stack of a mixture's routed experts (gate, up or down of an `Experts`,
+    [*layers, E, in, out]: one contracted axis, one output axis), read and replaced through
+    `kernel` as a Dense's kernel is."""
+
+    def __init__(self, experts: Experts, name: str):
+        self.experts, self.name = experts, name
+
+    @property
+    def kernel(self) -> Any:
+        return getattr(self.experts, self.name)
+
+    @kernel.setter
+    def kernel(self, value: Any) -> None:
+        setattr(self.experts, self.name, value)
+
+
+def expert_kernels(model: nnx.Module) -> dict[str, tuple[ExpertStack, int, int]]:
+    """Canonical path -> (its stack, 1 contracted axis, 1 output axis) for every routed expert
+    stack of `model`."""
+    found = {}
+    for path, module in nnx.iter_graph(model):
+        if isinstance(module, Experts):
+            prefix = "/".join(map(str, path))
+            for name in ("gate", "up", "down"):
+                found[f"{prefix}/{name}"] = (ExpertStack(module, name), 1, 1)
+    return found
+
+
+def quantizable_kernels(model: nnx.Module) -> dict[str, tuple[Any, int, int]]:
+    """Every kernel a scheme quantizes: the Dense ones and the routed experts', each as
+    (what holds it as `kernel`, number of contracted axes, number of output axes)."""
+    return {**dense_kernels(model), **expert_kernels(model)}
+
+
+class TableKernel:
+    """An `Embed`'s table, read and replaced through `kernel` as a Dense's kernel is."""
+
+    def __init__(self, embed: Embed):
+        self.embed = embed
+
+    @property
+    def kernel(self) -> Any:
+        return self.embed.embedding
+
+    @kernel.setter
+    def kernel(self, value: Any) -> None:
+        self.embed.embedding = value
+
+
+def table_kernels(model: nnx.Module) -> dict[str, tuple[TableKernel, int, int]]:
+    """Canonical path -> (its table, 1 contracted axis, no output axis) for every embedding
+    table of `model` (`[V, D]`, the vocabulary in front like a stack axis). Schemes never
+    quantize a float table; a file's quantized blocks are kept (`table_plans`,
+    `meshserve.model.quantized_table`)."""
+    return {"/".join(map(str, path)) + "/embedding": (TableKernel(module), 1, 0)
+            for path, module in nnx.iter_graph(model) if isinstance(module, Embed)}
+
+
+def table_plans(model: nnx.Module, scheme: str, platform: str) -> dict[str, KernelPlan]:
+    """What loading does with each embedding table under `scheme` on `platform`: a file's
+    blocks are kept where their codes fit the scheme's containers (for the int4 schemes, 4
+    bits, else 8: a Q8_0 table is kept as it is rather than left float); a float table stays
+    float. On the CPU a table the LM head reads (tied) is dequantized at load instead: XLA:CPU
+    converts the whole table's codes every step before its product, which costs more than
+    reading the float table (docs/models.md#quantized-weights: SmolLM2 and Gemma 3 270M decode
+    slower with the kept table), so there the table is kept only where it is just gathered."""
+    keep = (auto_keep_bits(platform) if scheme == "auto"
+            else (4, 8) if scheme.startswith("int4") else (8,))
+    read_by_head = "embed/embedding" if getattr(model, "lm_head", None) is None else None
+    return {key: KernelPlan(fmt=None, keep_bits=keep, num_contracted=n, num_out=out)
+            for key, (_, n, out) in table_kernels(model).items()
+            if not (platform == "cpu" and key == read_by_head)}
+
+
+def held_kernels(model: nnx.Module) -> dict[str, tuple[Any, int, int]]:
+    """Every weight that may be held quantized: the kernels schemes quantize and the
+    embedding tables kept in a file's blocks."""
+    return {**quantizable_kernels(model), **table_kernels(model)}
+
+
 def kernel_formats(model: nnx.Module, scheme: str) -> dict[str, QuantFormat]:
     """The format `scheme` gives each quantizable kernel of `model` (none for "none"), checked
     against the kernel's shape."""
     formats = {}
-    for key, (dense, n, out) in dense_kernels(model).items():
+    for key, (dense, n, out) in quantizable_kernels(model).items():
         fmt = scheme_format(scheme, n, out)
         if fmt is not None:
             check_groups(fmt, tuple(dense.kernel.shape), key)
@@ -97,7 +184,7 @@ def quantize_model(model: nnx.Module, scheme: str) -> nnx.Module:
     """`model` with every float kernel quantized by `scheme`, on the kernel's own device (float
     kernels go; a kernel already quantized stays as it is). Returns the same model object."""
     for key, fmt in kernel_formats(model, scheme).items():
-        dense = dense_kernels(model)[key][0]
+        dense = quantizable_kernels(model)[key][0]
         if isinstance(dense.kernel, QuantizedKernel):
             continue
         q = quantize(dense.kernel[...], fmt, xp=jnp)
@@ -106,15 +193,16 @@ def quantize_model(model: nnx.Module, scheme: str) -> nnx.Module:
 
 
 def install(model: nnx.Module, params: Mapping[str, Any]) -> None:
-    """Gives each Dense whose kernel key holds a `QuantizedArray` in `params` a quantized kernel
-    of those arrays (the model's float kernel, abstract or not, only lends its axes)."""
-    kernels = dense_kernels(model)
+    """Gives each kernel (a Dense's, an expert stack) whose key holds a `QuantizedArray` in
+    `params` a quantized kernel of those arrays (the model's float kernel, abstract or not,
+    only lends its axes)."""
+    kernels = held_kernels(model)
     for key, value in params.items():
         if not isinstance(value, QuantizedArray):
             continue
         if key not in kernels:
-            raise ValueError(f"{key} is quantized, but it is not the kernel of a Dense that "
-                             "the quantized matmul runs")
+            raise ValueError(f"{key} is quantized, but it is not a kernel that the quantized "
+                             "matmul runs (a Dense's, or a routed expert stack)")
         dense = kernels[key][0]
         if tuple(value.shape) != tuple(dense.kernel.shape):
             raise ValueError(f"quantized weight {key} stands for shape {value.shape}, expected "
@@ -126,7 +214,7 @@ def model_weights(model: nnx.Module, fn=lambda value, axes: value) -> dict[str, 
     """Canonical path -> each weight of `model` passed through `fn(value, logical_axes)`, a
     quantized kernel as one `QuantizedArray` (each of its arrays passed through `fn`): what
     `model_from_params` takes to build the model again."""
-    quantized = {key: dense.kernel for key, (dense, _, _) in dense_kernels(model).items()
+    quantized = {key: dense.kernel for key, (dense, _, _) in held_kernels(model).items()
                  if isinstance(dense.kernel, QuantizedKernel)}
     _, state = nnx.split(model)
     weights = {}
@@ -149,7 +237,8 @@ def _mapped(kernel: QuantizedKernel, fn) -> QuantizedArray:
 
 def quantized_arrays(model: nnx.Module) -> dict[str, QuantizedArray]:
     """Canonical kernel path -> the `QuantizedArray` of every quantized kernel of `model`."""
-    return {key: dense.kernel.array() for key, (dense, _, _) in dense_kernels(model).items()
+    kernels = held_kernels(model)
+    return {key: dense.kernel.array() for key, (dense, _, _) in kernels.items()
             if isinstance(dense.kernel, QuantizedKernel)}
 
 

@@ -10,9 +10,9 @@ from (`meshserve.serving.bench.result_files`): a tree with uncommitted changes i
 `--allow-dirty`, and so is a file that exists (a result is never overwritten).
 
 With `--lm-head`, only the tied LM head of the model's embedding is timed at each `--batch`:
-float32 against the embedding's int8 codes in groups of 32 (as GGUF's Q8_0 stores it),
-dequantized whole or 2,048 vocabulary rows at a time inside a `lax.map` (CPU time, minimum over
-`--repeats`): whether the LM head should be quantized too.
+float32 against the embedding's int8 codes in groups of 32 (as GGUF's Q8_0 stores it), read by
+the served path (`meshserve.model.quantized_table`) with chunks of 1, 4 and 16 MiB, and
+dequantized whole (CPU time, minimum over `--repeats`).
 
 With `--workload`, the whole run is profiled instead: the workload's requests (seeded, every
 output forced to its length, so every variant runs the very same steps) go through the
@@ -55,12 +55,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshserve.batching.plan import sub_batch_from_rows
-from meshserve.model import attention, transformer
+from meshserve.model import attention, quantized_table, transformer
 from meshserve.model.executor import steps
 from meshserve.model.executor.runner import ModelRunner, RunnerConfig
 from meshserve.model.executor.sampler import Sampled
 from meshserve.model.loading.pretrained import load_pretrained
-from meshserve.model.quant_formats import SCHEMES
+from meshserve.model.quant_formats import SCHEMES, QuantFormat, dequantize, quantize
+from meshserve.model.quantized_kernel import QuantizedKernel
 from meshserve.model.quantized_weights import weight_bytes
 from meshserve.serving.bench import bench, result_files
 from meshserve.serving.engine.core import Engine
@@ -233,40 +234,39 @@ def profile_run(model, args) -> dict:
             "groups": table, "steps": logs}
 
 
-def lm_head_times(model, batches: list[int], repeats: int) -> dict[int, dict[str, float]]:
-    """CPU seconds of the tied LM head per batch: float32, and int8 codes of the same table
-    (rounded per group of 32) dequantized whole or in chunks of 2,048 rows."""
-    table = model.embed.embedding[...]  # [V, D]
-    vocab, dim = table.shape
-    groups = table.reshape(vocab, dim // 32, 32)
-    scales = (jnp.abs(groups).max(axis=-1) / 127).astype(jnp.float16)  # [V, D / 32]
-    codes = jnp.round(groups / jnp.maximum(scales[..., None].astype(jnp.float32), 1e-30)
-                      ).astype(jnp.int8).reshape(vocab, dim)
-    chunk = 2048
-
-    def values(c, s):
-        return (c.reshape(-1, dim // 32, 32).astype(jnp.float32)
-                * s[..., None].astype(jnp.float32)).reshape(-1, dim)
-
-    def chunked(x, c, s):
-        parts = jax.lax.map(lambda cs: jnp.einsum("sd,vd->sv", x, values(*cs)),
-                            (c.reshape(-1, chunk, dim), s.reshape(-1, chunk, dim // 32)))
-        return parts.transpose(1, 0, 2).reshape(x.shape[0], vocab)  # [S, V]
-
-    variants = {"float32": (lambda x, t: jnp.einsum("sd,vd->sv", x, t), (table,)),
-                "int8 whole": (lambda x, c, s: jnp.einsum("sd,vd->sv", x, values(c, s)),
-                               (codes, scales)),
-                "int8 chunks": (chunked, (codes, scales))}
+def lm_head_times(model, batches: list[int], repeats: int,
+                  chunk_mib: tuple[int, ...] = (1, 4, 16)) -> dict[int, dict[str, float]]:
+    """CPU seconds of the tied LM head per batch: the float32 table against the same table in
+    int8 codes of groups of 32 with float16 scales (GGUF's Q8_0; a model loaded with its table
+    kept is timed on its own blocks), read by the served path (`table_logits`), which
+    dequantizes `CHUNK_BYTES` of the table at a time: timed at each of `chunk_mib`, and
+    dequantized whole for comparison."""
+    kernel = model.embed.embedding
+    if isinstance(kernel, QuantizedKernel):
+        q = kernel.array()
+        table = dequantize(q, xp=jnp)
+    else:
+        table = kernel[...]
+        q = quantize(table, QuantFormat(bits=8, group=32, num_contracted=1, num_out=0,
+                                        has_mins=False, scale_dtype="float16"), xp=jnp)
+    variants = {"float32": (lambda x, t: jnp.einsum("sd,vd->sv", x, t), table, None),
+                "int8 whole": (lambda x, q: jnp.einsum("sd,vd->sv", x, dequantize(q, xp=jnp)),
+                               q, None)}
+    for mib in chunk_mib:
+        variants[f"int8 chunks of {mib} MiB"] = (quantized_table.table_logits, q, mib)
     results = {}
     for batch in batches:
-        x = jnp.ones((batch, dim), jnp.float32)
-        compiled = {name: (jax.jit(fn).lower(x, *args).compile(), args)
-                    for name, (fn, args) in variants.items()}
+        x = jnp.ones((batch, table.shape[1]), jnp.float32)
+        compiled = {}
+        for name, (fn, weights, mib) in variants.items():
+            if mib is not None:  # read when the served path is traced
+                quantized_table.CHUNK_BYTES = mib << 20
+            compiled[name] = (jax.jit(fn).lower(x, weights).compile(), weights)
         times = {name: [] for name in compiled}
         for _ in range(repeats):
-            for name, (fn, args) in compiled.items():
+            for name, (fn, weights) in compiled.items():
                 started = time.process_time()
-                jax.block_until_ready(fn(x, *args))
+                jax.block_until_ready(fn(x, weights))
                 times[name].append(time.process_time() - started)
         results[batch] = {name: min(t) for name, t in times.items()}
         print(f"lm head, batch {batch:>3}: " + ", ".join(

@@ -1,11 +1,12 @@
 """GGUF's quantized blocks read as quantized kernels, never through float values.
 
 A GGUF block type stores, per block of weights along a row (the input axis of an `[out, in]`
-Linear weight), integer codes and a scale (and for some types a minimum), so that each weight is
-`code * scale + min`. `decode_blocks` reads those fields of one tensor as they are: codes one a
-byte `[out, in]`, scales and mins `[out, in / group]`, in float16 where the file stores them so
-and in float32 where a K-quant multiplies two stored fields (the products are exact in float32,
-and computed exactly as `gguf.quants` computes them):
+Linear weight, or of each expert's in a mixture's `[E, out, in]` stack), integer codes and a
+scale (and for some types a minimum), so that each weight is `code * scale + min`.
+`decode_blocks` reads those fields of one tensor as they are: codes one a byte `[*rows, in]`,
+scales and mins `[*rows, in / group]`, in float16 where the file stores them so and in float32
+where a K-quant multiplies two stored fields (the products are exact in float32, and computed
+exactly as `gguf.quants` computes them):
 
     type   codes        group  scale          min
     Q8_0   -128..127    32     d (f16)        -
@@ -18,11 +19,13 @@ and computed exactly as `gguf.quants` computes them):
     Q6_K   -32..31      16     d * sc (f32)   -
 
 A tensor whose codes fit the chosen bit width (`fits`) becomes a `QuantizedArray` with the same
-codes, scales and mins (`canonical_quantized`), moved into the canonical kernel layout by the same
-index permutation as its float weights: so it computes exactly what the float path computes from
+codes, scales and mins (`CanonicalLayout.quantized`), moved into the canonical kernel layout by
+the same index permutation as its float weights (an expert stack `[E, out, in]` becomes
+`[E, in, out]`, its blocks with it): so it computes exactly what the float path computes from
 the dequantized file. The layers of one stacked kernel may be of different types (Q4_K_M files
-mix Q4_K and Q6_K in `ffn_down`): `common_format` gives one format that holds each exactly, and
-`regrouped` re-expresses a layer's blocks in it (scales repeated over a finer group, zero mins). Other types (Q2_K, Q3_K, the IQ types) are not read here; the loader
+mix Q4_K and Q6_K in `ffn_down`, and in `ffn_down_exps`): `common_format` gives one format that
+holds each exactly, and `regrouped` re-expresses a layer's blocks in it (scales repeated over a
+finer group, zero mins). Other types (Q2_K, Q3_K, the IQ types) are not read here; the loader
 dequantizes them and quantizes the floats instead.
 
 This module imports neither jax nor flax.
@@ -45,8 +48,8 @@ QK_K = 256
 
 @dataclasses.dataclass(frozen=True)
 class Blocks:
-    """One tensor's block fields: codes `[out, in]` (int16, one per weight), scales and mins
-    `[out, in / group]`."""
+    """One tensor's block fields: codes `[*rows, in]` (int16, one per weight), scales and mins
+    `[*rows, in / group]`."""
 
     codes: np.ndarray
     scales: np.ndarray
@@ -157,16 +160,18 @@ BLOCK_TYPES: dict[_GGML, BlockType] = {
 }
 
 
-def decode_blocks(raw: np.ndarray, qtype: _GGML, shape: tuple[int, int]) -> Blocks:
-    """The block fields of one tensor's bytes `raw` ([out, row bytes], as GGUFReader maps them)
-    for its `[out, in]` shape."""
+def decode_blocks(raw: np.ndarray, qtype: _GGML, shape: tuple[int, ...]) -> Blocks:
+    """The block fields of one tensor's bytes `raw` ([*rows, row bytes], as
+    `meshserve.model.gguf_reader` maps them) for its `[*rows, in]` shape (`[out, in]`, or an
+    expert stack's `[E, out, in]`)."""
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    out, width = shape
-    blocks = np.asarray(raw).reshape(out, width // block_size, type_size)
+    *rows, width = shape
+    blocks = np.asarray(raw).reshape(*rows, width // block_size, type_size)
     codes, scales, mins = BLOCK_TYPES[qtype].decode(blocks)
     group = BLOCK_TYPES[qtype].group
-    return Blocks(codes=codes.reshape(out, width), scales=scales.reshape(out, width // group),
-                  mins=None if mins is None else mins.reshape(out, width // group), group=group)
+    groups = (*rows, width // group)
+    return Blocks(codes=codes.reshape(shape), scales=scales.reshape(groups),
+                  mins=None if mins is None else mins.reshape(groups), group=group)
 
 
 def kernel_format(qtype: _GGML, bits: int, num_contracted: int, num_out: int
@@ -213,24 +218,25 @@ def regrouped(blocks: Blocks, fmt: QuantFormat) -> Blocks:
 
 
 class CanonicalLayout:
-    """Where the blocks of an `[out, in]` tensor land in its canonical kernel `[*c, *out]`.
+    """Where the blocks of an `[*rows, in]` tensor land in its canonical kernel `[*c, *out]`
+    (`[E, in, out]` for an expert stack).
 
     `convert` is the tensor's float conversion (row permutation, transpose, reshape), an index
     permutation; applied to an index array it tells, for every group of the canonical kernel,
     which block of the source row it came from."""
 
-    def __init__(self, convert: Callable[[np.ndarray], np.ndarray], shape: tuple[int, int],
+    def __init__(self, convert: Callable[[np.ndarray], np.ndarray], shape: tuple[int, ...],
                  fmt: QuantFormat):
-        out, width = shape
+        size, width = math.prod(shape), shape[-1]
         self.convert, self.fmt = convert, fmt
-        dtype = np.int32 if out * width < 2**31 else np.int64
-        index = convert(np.arange(out * width, dtype=dtype).reshape(out, width))
+        dtype = np.int32 if size < 2**31 else np.int64
+        index = convert(np.arange(size, dtype=dtype).reshape(shape))
         axis = index.ndim - fmt.num_out - 1
         first = np.take(index, np.arange(0, index.shape[axis], fmt.group), axis=axis)
         last = np.take(index, np.arange(fmt.group - 1, index.shape[axis], fmt.group), axis=axis)
         if np.any(first % fmt.group) or np.any(last - first != fmt.group - 1):
             raise ValueError("the tensor's blocks do not line up with its kernel's groups")
-        rows, columns = np.divmod(first, width)
+        rows, columns = np.divmod(first, width)  # rows counts every row of every expert
         self.block_index = rows * (width // fmt.group) + columns // fmt.group  # [*c', *out]
 
     def quantized(self, blocks: Blocks) -> QuantizedArray:

@@ -8,12 +8,19 @@
   (tests/golden, scripts/make_moe_golden.py): logits of a full forward pass within 1e-4 of HF's
   and logprobs within 2e-3; a GGUF written with gguf's writer from the same weights loads to the
   same logits.
+- Quantized experts: the grouped matmul on int8, int4 and mixed-block-type (GGUF) codes equals
+  it on the dequantized float experts, one expert dequantized at a time (the compiled HLO's
+  largest float buffer), and split over two fake devices by experts or by width as on one; a GGUF
+  mixture's expert blocks (layers in different block types) load kept exactly under `auto` and
+  generate the dequantized float model's greedy tokens; HF experts quantize at load like
+  `quantize_model`; a quantized mixture's checkpoint round-trips, onto an expert-parallel mesh.
 - Configs and checkpoints the model cannot run fail with a message naming the problem.
 """
 
 import functools
 import json
 
+import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,11 +29,18 @@ from safetensors.numpy import load_file
 
 from meshserve.model import moe
 from meshserve.model.config import ModelConfig, MoeConfig
+from meshserve.model.executor.runner import ModelRunner, RunnerConfig
 from meshserve.model.executor.steps import forward_dense
 from meshserve.model.families import config_from_gguf, config_from_hf
 from meshserve.model.loading import load_gguf, load_hf
-from meshserve.model.transformer import model_from_params
-from tests.model.test_loaders import llamacpp_permute, write_gguf
+from meshserve.model.loading.pretrained import load_pretrained, scheme_plans
+from meshserve.model.quant_formats import (QuantFormat, QuantizedArray, dequantize, from_codes,
+                                           quantize, scheme_format)
+from meshserve.model.quantized_weights import quantize_model, quantized_arrays
+from meshserve.model.transformer import create_model, model_from_params
+from meshserve.serving.engine.greedy_reference import generate_greedy
+from tests.model.test_loaders import gguf_llama_metadata, llamacpp_permute, write_gguf
+from tests.model.test_quant import _f32_buffers, random_blocks
 
 FAMILIES = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"]
 
@@ -120,6 +134,239 @@ def test_tile_rows_follow_the_expected_rows_per_expert():
     assert moe.tile_rows(64, 8) == 8
     assert moe.tile_rows(100, 8) == 16  # 13 rounded up
     assert moe.tile_rows(1 << 16, 8) == moe.MAX_TILE_ROWS
+
+
+# --- Quantized experts -----------------------------------------------------------------------
+
+# What `common_format` keeps a stack whose layers mix Q6_K and Q4_K blocks in: int8 codes in
+# groups of 16, float32 scales and mins.
+MIXED = QuantFormat(bits=8, group=16, num_contracted=1, num_out=1, has_mins=True)
+EXPERT_FORMATS = {"int8": scheme_format("int8", 1, 1), "int4": scheme_format("int4", 1, 1),
+                  "int4-g64": scheme_format("int4-g64", 1, 1), "mixed": MIXED}
+
+
+def _quantized_stacks(rng, fmt: QuantFormat, num_experts=4, dim=64, width=128):
+    """gate, up [E, D, F] and down [E, F, D] in `fmt` (on the device), and their dequantized
+    float32 weights."""
+    stacks = []
+    for shape in ((num_experts, dim, width), (num_experts, dim, width), (num_experts, width, dim)):
+        if fmt is MIXED:  # codes of Q6_K's range, as a GGUF's blocks give them
+            groups = (shape[0], shape[1] // 16, shape[2])
+            q = from_codes(rng.integers(-32, 32, (groups[0], groups[1], 16, groups[2])),
+                           rng.uniform(0.001, 0.01, groups), rng.uniform(-0.05, 0.05, groups),
+                           fmt)
+        else:
+            q = quantize(rng.standard_normal(shape).astype(np.float32) * 0.1, fmt)
+        stacks.append(q)
+    floats = [jnp.asarray(dequantize(q)) for q in stacks]
+    return [q.map(jnp.asarray) for q in stacks], floats
+
+
+@pytest.mark.parametrize("scheme", list(EXPERT_FORMATS))
+def test_quantized_grouped_matmul_equals_it_on_the_dequantized_experts(scheme):
+    rng = np.random.default_rng(5)
+    quantized, floats = _quantized_stacks(rng, EXPERT_FORMATS[scheme])
+    rows = jnp.asarray(rng.standard_normal((20, 64)), jnp.float32)
+    sizes = jnp.array([7, 0, 9, 1], jnp.int32)
+    grouped = jax.jit(functools.partial(moe.grouped_swiglu, tile=4))
+    got, want = grouped(rows, sizes, *quantized), grouped(rows, sizes, *floats)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_array_equal(got[17:], 0)
+    # The ragged_dot cross-check dequantizes a quantized stack whole first.
+    ragged = moe.grouped_swiglu_ragged(rows, sizes, *quantized)
+    np.testing.assert_allclose(ragged[:17], want[:17], rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_tile_dequantizes_only_its_own_expert(scheme):
+    """In the compiled grouped matmul of 8 quantized experts, the largest float32 buffer is one
+    expert's kernel (int8) or half of it (int4, its low and high nibbles apart): the stack is
+    never converted whole, nor hoisted out of the tile loop."""
+    num_experts, dim, width = 8, 256, 512
+    quantized, _ = _quantized_stacks(np.random.default_rng(6), EXPERT_FORMATS[scheme],
+                                     num_experts, dim, width)
+    rows = jnp.ones((12, dim), jnp.float32)
+    sizes = jnp.array([3, 0, 2, 1, 0, 4, 0, 2], jnp.int32)
+    grouped = jax.jit(functools.partial(moe.grouped_swiglu, tile=2))
+    biggest = max(_f32_buffers(grouped.lower(rows, sizes, *quantized).compile().as_text()))
+    assert biggest == (dim * width if scheme == "int8" else dim * width // 2)
+
+
+@pytest.mark.parametrize("split", ["expert", "width"])
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_experts_split_over_two_fake_devices_match_one_device(scheme, split):
+    """Under shard_map the codes, scales and mins of each stack split by their own logical axes:
+    each device holds 2 of the 4 experts, or half of every expert's width (down's codes and
+    grouped scales split along the contracted axis, per-channel scales not at all)."""
+    rng = np.random.default_rng(7)
+    quantized, _ = _quantized_stacks(rng, EXPERT_FORMATS[scheme])
+    x = jnp.asarray(rng.standard_normal((6, 64)), jnp.float32)
+    weights, chosen = moe.route(jnp.asarray(rng.standard_normal((6, 4)), jnp.float32), 2, True)
+    mesh = jax.make_mesh((2,), ("model",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:2])
+    axes = {"expert_axis": "model"} if split == "expert" else {"width_axis": "model"}
+    routed = jax.jit(moe.routed_experts, static_argnums=6)
+    one = routed(x, chosen, weights, *quantized, None)
+    two = routed(x, chosen, weights, *quantized, moe.ExpertSplit(mesh, **axes))
+    np.testing.assert_allclose(two, one, rtol=1e-5, atol=1e-5 * np.abs(one).max())
+
+
+# A mixture written as llama.cpp writes Mixtral (`llama` with an expert count), rows of 256 so
+# K-quants fit, every layer's experts stacked [E, out, in] in the block types a Q4_K_M file mixes:
+# layer 0's ffn_down_exps in Q6_K and layer 1's in Q4_K, gate in Q4_0 then Q8_0.
+MOE_256 = dict(D=256, F=256, L=2, H=4, K=2, V=64)
+NUM_EXPERTS = 4
+GGML = gguf.GGMLQuantizationType
+EXPERT_TYPES = {"ffn_gate_exps": (GGML.Q4_0, GGML.Q8_0), "ffn_up_exps": (GGML.Q4_K, GGML.Q4_K),
+                "ffn_down_exps": (GGML.Q6_K, GGML.Q4_K)}
+
+
+@pytest.fixture(scope="module")
+def quantized_moe_gguf(tmp_path_factory):
+    d, e = MOE_256, NUM_EXPERTS
+    rng = np.random.default_rng(8)
+    w = lambda *shape, std=0.05: (rng.standard_normal(shape) * std).astype(np.float32)  # noqa: E731
+    h = d["D"] // d["H"]
+    tensors = {"token_embd.weight": w(d["V"], d["D"], std=1.0),
+               "output_norm.weight": 1 + w(d["D"]), "output.weight": w(d["V"], d["D"])}
+    for i in range(d["L"]):
+        p = f"blk.{i}."
+        tensors.update({
+            p + "attn_norm.weight": 1 + w(d["D"]), p + "attn_q.weight": w(d["H"] * h, d["D"]),
+            p + "attn_k.weight": w(d["K"] * h, d["D"]), p + "attn_v.weight": w(d["K"] * h, d["D"]),
+            p + "attn_output.weight": w(d["D"], d["H"] * h), p + "ffn_norm.weight": 1 + w(d["D"]),
+            p + "ffn_gate_inp.weight": w(e, d["D"], std=0.5)})
+        for name, types in EXPERT_TYPES.items():
+            rows, width = (d["D"], d["F"]) if name == "ffn_down_exps" else (d["F"], d["D"])
+            qtype = types[i]
+            if qtype in (GGML.Q4_0, GGML.Q8_0):
+                raw = gguf.quants.quantize(w(e, rows, width), qtype)
+            else:  # gguf cannot quantize K-quants: random blocks with weights of about 0.05
+                raw = random_blocks(qtype, e * rows, width, seed=i, scale=2e-4).reshape(
+                    e, rows, -1)
+            tensors[f"{p}{name}.weight"] = (raw, qtype)
+    meta = gguf_llama_metadata("llama", **d) | {"llama.expert_count": e,
+                                                "llama.expert_used_count": 2}
+    path = tmp_path_factory.mktemp("moe-gguf") / "moe.gguf"
+    return write_gguf(path, "llama", meta, tensors)
+
+
+@pytest.mark.parametrize("platform, want_bits", [("cpu", {"gate": 8, "up": 8, "down": 8}),
+                                                 ("gpu", {"gate": 8, "up": 4, "down": 8})])
+def test_auto_keeps_a_gguf_mixtures_expert_blocks_exactly(quantized_moe_gguf, platform,
+                                                          want_bits):
+    """Every expert stack is kept, in one format across layers of different block types (down:
+    Q6_K's groups of 16 and Q4_K's minimums; gate: Q4_0's minimums, Q8_0's 8 bits), and
+    dequantizes to exactly the float loader's weights."""
+    _, floats = load_gguf(quantized_moe_gguf)
+    _, params = load_gguf(quantized_moe_gguf, plans=scheme_plans("auto", platform=platform))
+    experts = {key.split("/")[-1]: value for key, value in params.items()
+               if key.startswith("layers/mlp/experts/")}
+    assert {name: q.format.bits for name, q in experts.items()} == want_bits
+    assert (experts["down"].format.group, experts["down"].format.has_mins) == (16, True)
+    assert experts["gate"].format.has_mins and experts["gate"].format.scale_dtype == "float16"
+    for name, q in experts.items():
+        assert isinstance(q, QuantizedArray)
+        np.testing.assert_array_equal(dequantize(q), floats[f"layers/mlp/experts/{name}"])
+
+
+def test_a_gguf_mixture_with_kept_experts_generates_the_float_models_tokens(quantized_moe_gguf):
+    """auto (as the engine loads it) against the same file dequantized to float32: the same
+    greedy tokens, and logprobs equal up to summation order."""
+    config, floats = load_gguf(quantized_moe_gguf)
+    kept = load_pretrained_weights(quantized_moe_gguf, "auto")
+    assert set(quantized_arrays(kept)) == {"layers/mlp/experts/gate", "layers/mlp/experts/up",
+                                           "layers/mlp/experts/down"}
+    outputs = []
+    for model in (model_from_params(config, floats), kept):
+        runner = ModelRunner(model, RunnerConfig(num_pages=16, page_size=16, max_num_seqs=2,
+                                                 max_num_batched_tokens=32, max_pages_per_seq=4))
+        outputs.append(generate_greedy(runner, [[1, 5, 9, 13], [7, 3, 2]], max_new_tokens=10))
+    for want, got in zip(*outputs):
+        assert got.token_ids == want.token_ids
+        np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+
+
+def load_pretrained_weights(path, scheme: str):
+    """`load_pretrained`'s model of a GGUF that has no vocabulary: its weights as it loads them."""
+    config, params = load_gguf(path, plans=scheme_plans(scheme))
+    return quantize_model(model_from_params(config, params), scheme)
+
+
+def write_hf_mixtral(directory, golden_dir, *, D=64, F=64, H=2, K=1, E=4):
+    """A random Mixtral saved as HF saves one (each expert's tensors apart), wide enough for
+    int4's groups of 32: tiny-mixtral's config with these sizes."""
+    from safetensors.numpy import save_file
+
+    hf = _hf_mixtral(golden_dir) | dict(hidden_size=D, intermediate_size=F, num_attention_heads=H,
+                                        num_key_value_heads=K, num_local_experts=E)
+    rng = np.random.default_rng(9)
+    w = lambda *shape: (rng.standard_normal(shape) * 0.1).astype(np.float32)  # noqa: E731
+    h, V = D // H, hf["vocab_size"]
+    tensors = {"model.embed_tokens.weight": w(V, D), "model.norm.weight": 1 + w(D),
+               "lm_head.weight": w(V, D)}
+    for i in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        tensors.update({
+            p + "input_layernorm.weight": 1 + w(D), p + "post_attention_layernorm.weight": 1 + w(D),
+            p + "self_attn.q_proj.weight": w(H * h, D), p + "self_attn.k_proj.weight": w(K * h, D),
+            p + "self_attn.v_proj.weight": w(K * h, D), p + "self_attn.o_proj.weight": w(D, H * h),
+            p + "block_sparse_moe.gate.weight": w(E, D)})
+        for e in range(E):
+            q = f"{p}block_sparse_moe.experts.{e}."
+            tensors.update({q + "w1.weight": w(F, D), q + "w3.weight": w(F, D),
+                            q + "w2.weight": w(D, F)})
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(hf))
+    return directory
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_hf_experts_quantize_as_they_load_like_quantize_model(golden_dir, tmp_path, scheme):
+    """A Mixtral's experts (HF: each expert its own tensor) are quantized as they are read, as
+    attention's kernels are, to what `quantize_model` makes of the float model."""
+    directory = write_hf_mixtral(tmp_path / "mixtral", golden_dir)
+    got = quantized_arrays(load_pretrained(str(directory), quantization=scheme).model)
+    want = quantized_arrays(quantize_model(model_from_params(*load_hf(directory)), scheme))
+    assert set(got) == set(want) == {
+        "layers/attn/q/kernel", "layers/attn/k/kernel", "layers/attn/v/kernel",
+        "layers/attn/o/kernel", "layers/mlp/experts/gate", "layers/mlp/experts/up",
+        "layers/mlp/experts/down"}
+    for key, q in want.items():
+        assert got[key].format == q.format == scheme_format(scheme, q.format.num_contracted,
+                                                           q.format.num_out)
+        np.testing.assert_allclose(dequantize(got[key]), dequantize(q), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_quantized_mixtures_checkpoint_round_trips_onto_an_expert_parallel_mesh(scheme,
+                                                                                  tmp_path):
+    """The experts' codes, scales and mins are saved as ordinary arrays with their format in
+    the manifest, restored bit for bit, and placed on `model=2` split as the float experts are:
+    each device holds two of the four experts' codes and scales."""
+    from meshserve.model.loading.checkpoint import load_checkpoint, read_manifest, save_checkpoint
+    from meshserve.sharding.sharded_loading import load_sharded
+
+    config = ModelConfig.preset("tiny-mixtral", head_dim=32)  # o's head_dim divides into 32s
+    model = quantize_model(create_model(config), scheme)
+    want = quantized_arrays(model)
+    directory = save_checkpoint(model, None, tmp_path / "ckpt")
+    assert read_manifest(directory).quantized == {key: q.format for key, q in want.items()}
+    _, restored, _ = load_checkpoint(directory)
+    placed = load_sharded(str(directory), "model=2").model
+    for back in (quantized_arrays(restored), quantized_arrays(placed)):
+        for key, q in want.items():
+            assert back[key].format == q.format
+            for name, array in q.arrays().items():
+                np.testing.assert_array_equal(np.asarray(back[key].arrays()[name]),
+                                              np.asarray(array), err_msg=f"{key}/{name}")
+    for name, array in quantized_arrays(placed)["layers/mlp/experts/down"].arrays().items():
+        shards = array.addressable_shards
+        assert len(shards) == 2 and all(s.data.shape[1] == 2 for s in shards), name  # [L, E/2..]
+    tokens = np.arange(12, dtype=np.int32).reshape(2, 6) % config.vocab_size
+    np.testing.assert_allclose(_logits(placed, tokens), _logits(model, tokens), rtol=1e-5,
+                               atol=1e-5)
 
 
 # --- The families against HF ------------------------------------------------------------------

@@ -112,8 +112,10 @@ def test_dequantized_values_stay_within_one_layer(scheme):
 # -- GGUF blocks -------------------------------------------------------------------------------
 
 
-def random_blocks(qtype: GGML, rows: int, width: int, seed: int = 0) -> np.ndarray:
-    """Random bytes of a tensor of `qtype`, with every float16 field set to a sane value."""
+def random_blocks(qtype: GGML, rows: int, width: int, seed: int = 0,
+                  scale: float = 0.05) -> np.ndarray:
+    """Random bytes of a tensor of `qtype`, with every float16 field set to a sane value (within
+    +-scale)."""
     rng = np.random.default_rng(seed)
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows, width // block_size, type_size), dtype=np.uint8)
@@ -121,7 +123,7 @@ def random_blocks(qtype: GGML, rows: int, width: int, seed: int = 0) -> np.ndarr
     if qtype in (GGML.Q4_1, GGML.Q5_1):
         halves = [0, 2]
     for offset in halves:
-        values = rng.uniform(-0.05, 0.05, raw.shape[:2]).astype(np.float16)
+        values = rng.uniform(-scale, scale, raw.shape[:2]).astype(np.float16)
         raw[..., offset:offset + 2] = values[..., None].view(np.uint8)
     return raw.reshape(rows, -1)
 
@@ -177,10 +179,15 @@ def quantized_gguf(tmp_path_factory):
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_gguf_blocks_load_into_kernels_exactly(quantized_gguf, scheme):
     """Every kernel whose block type fits the scheme's bits is read without loss: its values
-    equal the float loader's (which dequantizes with gguf); the rest are quantized floats."""
+    equal the float loader's (which dequantizes with gguf); the rest are quantized floats. On a
+    GPU the tied Q8_0 embedding table is kept in its blocks under both (int4's schemes keep a
+    table in 8 bits rather than leave it float)."""
     _, floats = load_gguf(quantized_gguf)
-    config, params = load_gguf(quantized_gguf, plans=scheme_plans(scheme))
+    config, params = load_gguf(quantized_gguf, plans=scheme_plans(scheme, platform="gpu"))
     kept = {"int8": {"q", "k", "v", "o", "gate", "up", "down"}, "int4": {"q", "k", "gate"}}[scheme]
+    table = params.pop("embed/embedding")
+    assert (table.format.bits, table.format.group, table.format.num_out) == (8, 32, 0)
+    np.testing.assert_array_equal(dequantize(table), floats["embed/embedding"])
     for key, value in params.items():
         if not key.endswith("/kernel"):
             assert not isinstance(value, QuantizedArray)
@@ -196,12 +203,13 @@ def test_gguf_blocks_load_into_kernels_exactly(quantized_gguf, scheme):
             tolerance = 0.02 if scheme == "int8" else 0.15
             assert np.abs(dequantize(value) - floats[key]).max() < tolerance * np.abs(
                 floats[key]).max(), key
-    model = model_from_params(config, params)
-    assert set(quantized_arrays(model)) == {k for k in params if k.endswith("/kernel")}
+    model = model_from_params(config, {**params, "embed/embedding": table})
+    assert set(quantized_arrays(model)) == {k for k in params if k.endswith("/kernel")} | {
+        "embed/embedding"}
 
 
 @pytest.mark.parametrize("platform, want_bits", [
-    ("gpu", {"q": 4, "k": 4, "gate": 4, "v": 8, "o": 8, "up": 8, "down": 8}),
+    ("gpu", {"q": 4, "k": 4, "gate": 4, "v": 8, "o": 8, "up": 8, "down": 8, "embed": 8}),
     ("cpu", {"q": 8, "k": 8, "gate": 8, "v": 8, "o": 8, "up": 8, "down": 8}),
 ])
 def test_auto_keeps_every_block_type_that_fits_and_leaves_the_rest_float(quantized_gguf,
@@ -209,7 +217,8 @@ def test_auto_keeps_every_block_type_that_fits_and_leaves_the_rest_float(quantiz
     """auto on a GPU: 4-bit blocks as int4, 5- to 8-bit ones as int8; on the CPU every block in
     int8 containers; exactly, either way. A kernel whose layers mix block types (up: Q5_K and
     Q8_0) is kept in one int8 format that holds both (mins, float32 scales); no kernel of a
-    quantized file stays float."""
+    quantized file stays float. Its tied Q8_0 embedding table is kept on a GPU; on the CPU, where
+    the LM head reads a float table faster, it is dequantized."""
     _, floats = load_gguf(quantized_gguf)
     _, params = load_gguf(quantized_gguf, plans=scheme_plans("auto", platform=platform))
     bits = {key.split("/")[-2]: value.format.bits for key, value in params.items()
@@ -259,15 +268,19 @@ def test_quantize_model_replaces_float_kernels_and_shrinks_the_weights():
     assert weight_bytes(model) < 0.6 * before  # the embedding, LM head and norms stay float
 
 
-def test_a_mixtures_router_and_experts_stay_float():
-    """Only attention is quantized in a mixture: routing stays the float model's, and the routed
-    experts are stacked weights the grouped matmul reads."""
+def test_a_mixtures_experts_are_quantized_and_its_router_stays_float():
+    """Attention and the routed experts (one kernel per expert, stacked) are quantized; the
+    router stays float, so routing stays the float model's."""
     model = quantize_model(create_model(ModelConfig.preset("tiny-mixtral")), "int8")
     assert set(quantized_arrays(model)) == {
         "layers/attn/q/kernel", "layers/attn/k/kernel", "layers/attn/v/kernel",
-        "layers/attn/o/kernel"}
-    assert set(scheme_plans("auto")(ModelConfig.preset("tiny-mixtral"))) == set(
-        quantized_arrays(model))
+        "layers/attn/o/kernel", "layers/mlp/experts/gate", "layers/mlp/experts/up",
+        "layers/mlp/experts/down"}
+    assert not isinstance(model.layers.mlp.router.kernel, QuantizedKernel)
+    gate = quantized_arrays(model)["layers/mlp/experts/gate"]
+    assert gate.values.shape == (2, 4, 64, 128) and gate.scales.shape == (2, 4, 128)
+    plans = scheme_plans("auto")(ModelConfig.preset("tiny-mixtral"))
+    assert set(quantized_arrays(model)) <= set(plans) and "layers/mlp/router/kernel" not in plans
 
 
 def test_a_kernel_that_does_not_divide_into_groups_is_refused():

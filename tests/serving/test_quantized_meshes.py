@@ -1,7 +1,8 @@
 """Quantized weights on meshes: a tensor-, data- and pipeline-parallel engine gives the tokens
 and logprobs of one device with the same quantized weights, the codes and scales are split the way
 the float kernels are, and an orbax checkpoint of a sharded quantized model restores them
-exactly, on another mesh too."""
+exactly, on another mesh too. A mixture's quantized experts split over `model` (expert
+parallelism) give one device's tokens too."""
 
 import numpy as np
 import pytest
@@ -75,3 +76,25 @@ def test_quantized_checkpoint_round_trips_onto_another_mesh(quantized, tmp_path)
     loaded = load_sharded(str(directory), "data=2,model=2")
     engine = Engine.from_model(loaded.model, None, EngineConfig(mesh="data=2,model=2", **ENGINE))
     _assert_same(_run(engine, REQUESTS), want)
+
+
+# A mixture: attention and the routed experts quantized (head_dim 32 for int4's groups).
+MOE_CONFIG = ModelConfig.preset("tiny-mixtral", head_dim=32)
+
+
+@pytest.mark.slow
+def test_quantized_experts_on_an_expert_parallel_mesh_match_one_device():
+    """int4 experts: each device holds the codes, scales and mins of 2 of the 4 experts and runs
+    its tiles on them; one psum adds the devices' shares. (int8's per-channel scales split the
+    same way: tests/model/test_moe.py.)"""
+    model = quantize_model(model_from_params(MOE_CONFIG, random_params(MOE_CONFIG)), "int4")
+    engine_config = dict(ENGINE, max_num_batched_tokens=16, prefill_chunk=16)
+    requests = REQUESTS[:2]
+    want = _run(Engine.from_model(model, None, EngineConfig(**engine_config)), requests)
+    engine = Engine.from_model(model, None, EngineConfig(mesh="model=2", **engine_config))
+    _assert_same(_run(engine, requests), want)
+    gate = engine.runner.params["layers"]["mlp"]["experts"]["gate"]
+    for name in ("values", "scales", "mins"):
+        array = gate[name].get_value()
+        assert array.sharding.spec[1] == "model", name  # [L, E, ...]: the experts split
+        assert array.addressable_shards[0].data.shape[1] == 2, name
