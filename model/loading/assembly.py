@@ -99,12 +99,12 @@ def assemble_quantized(slots: list[Slot], checkpoint: Checkpoint, plan: KernelPl
     """One kernel (every layer of it) as a `QuantizedArray`: kept in the file's own blocks when
     every layer's block type fits one of the plan's bit widths (GGUF; layers of different block
     types share one format that holds each exactly, `common_format`), else
-    quantized to the plan's format from its float weights, one layer at a time; None when the
-    plan leaves float weights float."""
+    quantized to the plan's format from its float weights, one layer at a time (so too a
+    kernel whose blocks do not line up with its groups); None when the plan leaves float weights
+    float."""
     kept = _kept_format(slots, checkpoint, plan)
-    if kept is not None:
-        layout = CanonicalLayout(slots[0].conversion.convert, slots[0].conversion.source_shape,
-                                 kept)
+    layout = None if kept is None else _layout(slots[0], kept)
+    if layout is not None:
         layers = [layout.quantized(regrouped(checkpoint.read_blocks(slot.source), kept))
                   for slot in slots]
     elif plan.fmt is not None:
@@ -118,6 +118,16 @@ def assemble_quantized(slots: list[Slot], checkpoint: Checkpoint, plan: KernelPl
     return QuantizedArray(values=stack("values"), scales=stack("scales"),
                           mins=None if layers[0].mins is None else stack("mins"),
                           format=layers[0].format)
+
+
+def _layout(slot: Slot, fmt: QuantFormat) -> CanonicalLayout | None:
+    """Where the slot's blocks land in its kernel, or None when the conversion splits blocks
+    over the kernel's groups (an `attn_output` whose blocks of 32 cross heads of 16 or 48):
+    such a kernel cannot be kept, and is read like a float one."""
+    try:
+        return CanonicalLayout(slot.conversion.convert, slot.conversion.source_shape, fmt)
+    except ValueError:
+        return None
 
 
 def _kept_format(slots: list[Slot], checkpoint: Checkpoint, plan: KernelPlan

@@ -292,3 +292,31 @@ def test_a_kernel_that_does_not_divide_into_groups_is_refused():
 def test_unknown_scheme_is_refused_before_loading():
     with pytest.raises(ValueError, match="quantization 'int3' is not supported"):
         scheme_plans("int3")
+
+
+@pytest.mark.parametrize("scheme", ["auto", "int8"])
+def test_blocks_that_cross_heads_load_as_floats(tmp_path, scheme):
+    """Heads of 16 (llama2.c's stories models have 48): each Q8_0 block of `attn_output`'s rows
+    spans two heads, which its kernel `[heads, head_dim, embed]` holds apart, so the blocks
+    cannot be kept; the kernel loads as a float one would (left float under auto, quantized
+    from float under int8) and the other kernels are kept."""
+    d = dict(D=64, F=128, L=1, H=4, K=2, V=64)
+    hf = {"hidden_size": d["D"], "intermediate_size": d["F"], "num_hidden_layers": d["L"],
+          "num_attention_heads": d["H"], "num_key_value_heads": d["K"], "vocab_size": d["V"],
+          "tie_word_embeddings": True, "model_type": "llama"}
+    tensors = gguf_llama_tensors(hf_llama_tensors(hf), L=d["L"], H=d["H"], K=d["K"],
+                                 permute=True)
+    for name in ("blk.0.attn_output.weight", "blk.0.ffn_up.weight"):
+        tensors[name] = (gguf.quants.quantize(tensors[name].astype(np.float32), GGML.Q8_0),
+                         GGML.Q8_0)
+    path = write_gguf(tmp_path / "heads-of-16.gguf", "llama", gguf_llama_metadata("llama", **d),
+                      tensors)
+    _, floats = load_gguf(path)
+    _, params = load_gguf(path, plans=scheme_plans(scheme, platform="cpu"))
+    np.testing.assert_array_equal(dequantize(params["layers/mlp/up/kernel"]),
+                                  floats["layers/mlp/up/kernel"])
+    o = params["layers/attn/o/kernel"]
+    if scheme == "auto":
+        np.testing.assert_array_equal(o, floats["layers/attn/o/kernel"])
+    else:
+        assert o.format == scheme_format("int8", 2, 1)
