@@ -381,9 +381,9 @@ def run_peers(names: Sequence[str], model_name_or_path: str, requests: list[Benc
         if continuous is not None and result.get("output_tokens_per_s"):
             result["ratio_continuous_output_tokens_per_s"] = (
                 continuous["output_tokens_per_s"] / result["output_tokens_per_s"])
-        if continuous is not None and _ttft_median(result) and _ttft_median(continuous):
-            result["ratio_continuous_ttft_median"] = (_ttft_median(continuous)
-                                                      / _ttft_median(result))
+        if continuous is not None and ttft_median(result) and ttft_median(continuous):
+            result["ratio_continuous_ttft_median"] = (ttft_median(continuous)
+                                                      / ttft_median(result))
         results[name] = result
     return results
 
@@ -396,7 +396,7 @@ def _llama_server_shape(config: EngineConfig | None, requests: list[BenchRequest
     return ServerShape.matching(config, threads=_cpu_count())
 
 
-def _ttft_median(result: dict[str, Any]) -> float | None:
+def ttft_median(result: dict[str, Any]) -> float | None:
     return (result.get("ttft_s") or {}).get("median")
 
 

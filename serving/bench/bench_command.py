@@ -14,7 +14,8 @@ from meshserve.batching.knobs import ORDERINGS
 from meshserve.model.loading.hub import resolve_model
 from meshserve.model.quantized_weights import weight_bytes
 from meshserve.serving import options
-from meshserve.serving.bench import bench, latency, result_files, structured_cost, workloads
+from meshserve.serving.bench import (bench, latency, repeats, result_files, structured_cost,
+                                     workloads)
 from meshserve.serving.python_api.llm import LLM
 
 HELP = "continuous vs static batching, side by side"
@@ -74,6 +75,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="static (always run) and peers: hf, llama-cpp, llama-server (built "
                              "from source on first use, about 9 minutes on 2 cores); repeat for "
                              "several")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run continuous, static and every peer this many times, "
+                             "interleaved; report medians, min and max and the ratio of medians "
+                             "with its range, and mark runs whose load average says another "
+                             "process shared the cores")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                         help="a progress bar (only on a terminal)")
     parser.add_argument("--quick", action="store_true",
@@ -148,7 +154,11 @@ def run(args: argparse.Namespace) -> None:
     engines = bench.make_engines(llm.engine.model, llm.engine.config)
     axis, values = (("rate", args.rates) if args.rates else
                     ("concurrency", args.concurrencies) if args.concurrencies else (None, None))
-    if axis is None:
+    peers = [name for name in dict.fromkeys(args.compare or []) if name != "static"]
+    if args.repeats > 1:
+        results = _repeated(args, llm, requests, engines, peers, online, progress)
+        peers = []  # run in every repeat already
+    elif axis is None:
         results = bench.compare_policies(llm.engine.model, llm.engine.config, requests,
                                          mode=args.mode, engines=engines, progress=progress,
                                          **online)
@@ -163,13 +173,14 @@ def run(args: argparse.Namespace) -> None:
             engines[p], requests, slos=slos, start=args.rate or 1.0,
             max_probes=args.max_rate_probes, seed=args.seed, burstiness=args.burstiness,
             progress=progress) for p in bench.POLICY_NAMES}
-    peers = [name for name in dict.fromkeys(args.compare or []) if name != "static"]
     if peers:
         results["peers"] = bench.run_peers(
             peers, args.model, requests, max_batch_size=llm.engine.config.max_num_seqs,
             continuous=results["continuous"], engine_config=llm.engine.config,
             arrivals={k: v for k, v in online.items() if k != "frontend"})
     _print_bench(results, payload.get("roofline"), online=args.mode == "online")
+    if "repeats" in results:
+        print("\n".join(repeats.summary_lines(results["repeats"]["summary"])))
     if plots_to is not None:
         directory, stem = plots_to
         payload["plots"] = plots.write_plots(results, directory, stem) | {
@@ -184,6 +195,49 @@ def run(args: argparse.Namespace) -> None:
             "engine_config": dataclasses.asdict(llm.engine.config),
             "environment": bench.environment(source), "results": results} | payload)
         print(f"wrote {output}")
+
+
+def _repeated(args: argparse.Namespace, llm: LLM, requests: list, engines: dict,
+              peers: list[str], online: dict[str, Any], progress: bool) -> dict[str, Any]:
+    """`--repeats N`: continuous, static and each peer, in that order, N times over
+    (`meshserve.serving.bench.repeats`). The results show each system's median run, the ratios
+    are ratios of medians, and `repeats` holds the summary and every run."""
+    runs = []
+    for i in range(args.repeats):
+        print(f"repeat {i + 1} of {args.repeats}", flush=True)
+        run: dict[str, Any] = {}
+        for policy in bench.POLICY_NAMES:
+            engine = engines[policy]
+            run[policy] = repeats.measured(
+                lambda: bench.run_offline(engine, requests, progress=progress)
+                if args.mode == "offline" else
+                bench.run_online(engine, requests, progress=progress, **online))
+        for name in peers:
+            run[name] = repeats.measured(lambda: bench.run_peers(
+                [name], args.model, requests, max_batch_size=llm.engine.config.max_num_seqs,
+                engine_config=llm.engine.config,
+                arrivals={k: v for k, v in online.items() if k != "frontend"})[name])
+        runs.append(run)
+    summary = repeats.summarize(runs)
+    results: dict[str, Any] = {p: repeats.median_run(runs, p) for p in bench.POLICY_NAMES}
+    results["ratio_output_tokens_per_s"] = (
+        summary["ratios"]["continuous/static"]["ratio_of_medians"])
+    if peers:
+        results["peers"] = {}
+        for name in peers:
+            if name not in summary["systems"]:
+                results["peers"][name] = {"skipped": summary["skipped"][name]}
+                continue
+            peer = dict(repeats.median_run(runs, name))
+            peer["ratio_continuous_output_tokens_per_s"] = (
+                summary["ratios"][f"continuous/{name}"]["ratio_of_medians"])
+            ours, theirs = (bench.ttft_median(results["continuous"]),
+                            bench.ttft_median(peer))
+            if ours and theirs:
+                peer["ratio_continuous_ttft_median"] = ours / theirs
+            results["peers"][name] = peer
+    results["repeats"] = {"summary": summary, "runs": runs}
+    return results
 
 
 def _plots_to(args: argparse.Namespace, output: Path | None) -> tuple[Path, str] | None:
@@ -241,6 +295,17 @@ def _check_bench_args(args: argparse.Namespace) -> None:
         raise ValueError("give --rates or --concurrencies, not both")
     if args.find_max_rate and args.slo_scale is None:
         raise ValueError("--find-max-rate needs --slo-scale (the SLOs it must meet)")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    repeated_not = [flag for flag, given in (("--rates", args.rates),
+                                             ("--concurrencies", args.concurrencies),
+                                             ("--find-max-rate", args.find_max_rate),
+                                             ("--structured", args.structured),
+                                             ("--schema-validity",
+                                              args.schema_validity is not None)) if given]
+    if args.repeats > 1 and repeated_not:
+        raise ValueError(f"--repeats runs the policies and peers; it does not repeat "
+                         f"{', '.join(repeated_not)}")
     if args.max_rate_probes < 1:
         raise ValueError(f"--max-rate-probes must be >= 1, got {args.max_rate_probes}")
     if args.prompts is not None:
