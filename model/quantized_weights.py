@@ -2,9 +2,10 @@
 
 `dense_kernels` finds every `Dense` whose kernel a scheme quantizes (all but `FLOAT_KERNELS`),
 `expert_kernels` a mixture's routed expert stacks (quantized per expert, the expert axis in front
-like a layer axis), and `quantizable_kernels` is both. `table_kernels` are the embedding tables,
-which only a file's own blocks quantize (`table_plans`); `held_kernels`, every weight that may be
-held quantized, is what `install`, `model_weights` and `quantized_arrays` cover.
+like a layer axis), and `quantizable_kernels` is both. The embedding tables (`table_kernels`) and
+an untied LM head (`head_kernels`) are quantized only by a file's own blocks
+(`file_block_plans`); `held_kernels`, every weight that may be held quantized, is what
+`install`, `model_weights` and `quantized_arrays` cover.
 `quantize_model` is the one step that quantizes a model's float kernels by a scheme, on the
 kernels' own devices; kernels already quantized (loaded so) stay as they are, so it can run on
 any model. `install` puts loaded `QuantizedArray`s into a model's structure, `model_weights` and
@@ -29,12 +30,11 @@ from meshserve.model.quant_formats import (KernelPlan, QuantFormat, QuantizedArr
 from meshserve.model.quantized_kernel import QuantizedKernel, quantized_axes
 
 
-# Dense modules whose kernels stay float under every scheme, by their attribute name. An untied
-# LM head: read whole every step, its codes would be converted whole as a tied table's are, which
-# XLA:CPU does slower than it reads float32 (`table_plans`; docs/models.md). A mixture's router and its shared
-# expert's sigmoid gate: a few columns each, and a rounding that moves a router logit past
-# another changes which experts run, so routing stays the float model's. (The routed experts
-# themselves are quantized: `expert_kernels`.)
+# Dense modules whose kernels no scheme quantizes, by their attribute name. An untied LM head:
+# only a file's own blocks are kept in it, and not on the CPU (`file_block_plans`). A mixture's
+# router and its shared expert's sigmoid gate: a few columns each, and a rounding that moves a
+# router logit past another changes which experts run, so routing stays the float model's. (The
+# routed experts themselves are quantized: `expert_kernels`.)
 FLOAT_KERNELS = frozenset({"lm_head", "router", "scale"})
 
 
@@ -108,32 +108,45 @@ class TableKernel:
 def table_kernels(model: nnx.Module) -> dict[str, tuple[TableKernel, int, int]]:
     """Canonical path -> (its table, 1 contracted axis, no output axis) for every embedding
     table of `model` (`[V, D]`, the vocabulary in front like a stack axis). Schemes never
-    quantize a float table; a file's quantized blocks are kept (`table_plans`,
+    quantize a float table; a file's quantized blocks are kept (`file_block_plans`,
     `meshserve.model.quantized_table`)."""
     return {"/".join(map(str, path)) + "/embedding": (TableKernel(module), 1, 0)
             for path, module in nnx.iter_graph(model) if isinstance(module, Embed)}
 
 
-def table_plans(model: nnx.Module, scheme: str, platform: str) -> dict[str, KernelPlan]:
-    """What loading does with each embedding table under `scheme` on `platform`: a file's
-    blocks are kept where their codes fit the scheme's containers (for the int4 schemes, 4
-    bits, else 8: a Q8_0 table is kept as it is rather than left float); a float table stays
-    float. On the CPU a table the LM head reads (tied) is dequantized at load instead: XLA:CPU
-    converts the whole table's codes every step before its product, which costs more than
-    reading the float table (docs/models.md#quantized-weights: SmolLM2 and Gemma 3 270M decode
-    slower with the kept table), so there the table is kept only where it is just gathered."""
+def head_kernels(model: nnx.Module) -> dict[str, tuple[Any, int, int]]:
+    """The untied LM head's kernel `[D, V]` (one contracted axis, one output axis), if the model
+    has one: like a table, only a file's own blocks quantize it (`file_block_plans`)."""
+    head = getattr(model, "lm_head", None)
+    return {} if head is None else {"lm_head/kernel": (head, 1, 1)}
+
+
+def file_block_kernels(model: nnx.Module) -> dict[str, tuple[Any, int, int]]:
+    """The weights no scheme quantizes but a file's quantized blocks may stay in: the embedding
+    tables and the untied LM head."""
+    return {**table_kernels(model), **head_kernels(model)}
+
+
+def file_block_plans(model: nnx.Module, scheme: str, platform: str) -> dict[str, KernelPlan]:
+    """What loading does with each of `file_block_kernels` under `scheme` on `platform`: a
+    file's blocks are kept where their codes fit the scheme's containers (for the int4 schemes,
+    4 bits, else 8: a Q8_0 table is kept as it is rather than left float); float weights stay
+    float. On the CPU what the LM head reads (its own kernel, or a tied table) is dequantized at
+    load instead: XLA:CPU converts every code of it every step before its product, which costs
+    more than reading float32 (docs/models.md#quantized-weights: SmolLM2 and Gemma 3 270M decode
+    slower with their kept tables), so there only a table that is just gathered is kept."""
     keep = (auto_keep_bits(platform) if scheme == "auto"
             else (4, 8) if scheme.startswith("int4") else (8,))
-    read_by_head = "embed/embedding" if getattr(model, "lm_head", None) is None else None
+    read_by_head = {"lm_head/kernel", "embed/embedding" if not head_kernels(model) else None}
     return {key: KernelPlan(fmt=None, keep_bits=keep, num_contracted=n, num_out=out)
-            for key, (_, n, out) in table_kernels(model).items()
-            if not (platform == "cpu" and key == read_by_head)}
+            for key, (_, n, out) in file_block_kernels(model).items()
+            if not (platform == "cpu" and key in read_by_head)}
 
 
 def held_kernels(model: nnx.Module) -> dict[str, tuple[Any, int, int]]:
-    """Every weight that may be held quantized: the kernels schemes quantize and the
-    embedding tables kept in a file's blocks."""
-    return {**quantizable_kernels(model), **table_kernels(model)}
+    """Every weight that may be held quantized: the kernels schemes quantize, and the
+    embedding tables and untied LM head kept in a file's blocks."""
+    return {**quantizable_kernels(model), **file_block_kernels(model)}
 
 
 def kernel_formats(model: nnx.Module, scheme: str) -> dict[str, QuantFormat]:

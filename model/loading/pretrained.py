@@ -33,7 +33,7 @@ from meshserve.model.loading.hub import ModelFiles, resolve_model
 from meshserve.model.loading import load_weights
 from meshserve.model.quant_formats import KernelPlan, check_scheme, scheme_plan
 from meshserve.model.quantized_weights import (kernel_formats, quantizable_kernels,
-                                               quantize_model, table_plans)
+                                               quantize_model, file_block_plans)
 from meshserve.model.tokenizer import Tokenizer
 from meshserve.model.transformer import abstract_model, create_model, model_from_params
 
@@ -114,7 +114,7 @@ def scheme_plans(scheme: str, platform: str | None = None):
         kernel_formats(model, scheme)  # checks that the float kernels divide into groups
         return {**{key: scheme_plan(scheme, n, out, platform=platform)
                    for key, (_, n, out) in quantizable_kernels(model).items()},
-                **table_plans(model, scheme, platform)}
+                **file_block_plans(model, scheme, platform)}
 
     return plans
 

@@ -5,17 +5,23 @@ through a checkpoint."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from meshserve.model import quantized_table
 from meshserve.model.config import ModelConfig
+from meshserve.model.executor.steps import forward_dense
+from meshserve.model.loading import load_gguf
 from meshserve.model.loading.checkpoint import load_checkpoint, save_checkpoint
-from meshserve.model.quant_formats import QuantFormat, dequantize, from_codes, quantize
+from meshserve.model.quant_formats import (QuantFormat, QuantizedArray, dequantize, from_codes,
+                                           quantize)
 from meshserve.model.quantized_table import table_logits, table_rows
-from meshserve.model.quantized_weights import quantized_arrays, weight_bytes
+from meshserve.model.quantized_weights import kernel_formats, quantized_arrays, weight_bytes
 from meshserve.model.loading.pretrained import scheme_plans
 from meshserve.model.transformer import abstract_model, model_from_params
 from meshserve.serving.engine.core import Engine
@@ -136,3 +142,30 @@ def test_a_quantized_table_round_trips_a_checkpoint(models, tmp_path):
     assert back.format == want.format
     for name, array in want.arrays().items():
         np.testing.assert_array_equal(np.asarray(back.arrays()[name]), np.asarray(array))
+
+
+def test_an_untied_head_is_kept_on_a_gpu_and_float_on_the_cpu():
+    """The untied head's kernel, like a tied table, is kept in a file's blocks only where the
+    head reads codes as fast as floats; no scheme quantizes it, so a float head stays float."""
+    model = abstract_model(ModelConfig.preset("tiny-llama", head_dim=32, tie_embeddings=False))
+    for scheme in ("auto", "int8", "int4"):
+        assert "lm_head/kernel" in scheme_plans(scheme, platform="gpu")(model.config)
+        assert "lm_head/kernel" not in scheme_plans(scheme, platform="cpu")(model.config)
+    assert "lm_head/kernel" not in kernel_formats(model, "int8")
+
+
+def test_a_files_untied_head_kept_computes_the_float_heads_logits():
+    """llama.cpp's Q4_K_M of a tiny Mistral-style model (its head in Q8_0, its table in Q5_0),
+    loaded with a GPU's plans: head and table stay in their blocks, exactly, and the model gives
+    the logits of the same file read as floats."""
+    path = Path(__file__).parents[1] / "golden" / "gguf-llama" / "tiny-mistral-q4km.gguf"
+    _, floats = load_gguf(path)
+    config, params = load_gguf(path, plans=scheme_plans("auto", platform="gpu"))
+    for key in ("lm_head/kernel", "embed/embedding"):
+        assert isinstance(params[key], QuantizedArray), key
+        np.testing.assert_array_equal(dequantize(params[key]), floats[key], err_msg=key)
+    tokens = jnp.asarray(np.arange(12, dtype=np.int32).reshape(2, 6) % config.vocab_size)
+    lengths = jnp.asarray([6, 4], jnp.int32)
+    logits = [forward_dense(*nnx.split(model_from_params(config, p)), tokens, lengths)
+              for p in (floats, params)]
+    np.testing.assert_allclose(logits[1], logits[0], rtol=1e-4, atol=1e-4)
