@@ -14,8 +14,8 @@ from meshserve.batching.knobs import ORDERINGS
 from meshserve.model.loading.hub import resolve_model
 from meshserve.model.quantized_weights import weight_bytes
 from meshserve.serving import options
-from meshserve.serving.bench import (bench, latency, repeats, result_files, structured_cost,
-                                     workloads)
+from meshserve.serving.bench import (bench, latency, memory, repeats, result_files,
+                                     structured_cost, workloads)
 from meshserve.serving.python_api.llm import LLM
 
 HELP = "continuous vs static batching, side by side"
@@ -156,7 +156,8 @@ def run(args: argparse.Namespace) -> None:
                     ("concurrency", args.concurrencies) if args.concurrencies else (None, None))
     peers = [name for name in dict.fromkeys(args.compare or []) if name != "static"]
     if args.repeats > 1:
-        results = _repeated(args, llm, requests, engines, peers, online, progress)
+        results, payload["peak_rss_bytes"] = _repeated(args, llm, requests, engines, peers,
+                                                       online, progress)
         peers = []  # run in every repeat already
     elif axis is None:
         results = bench.compare_policies(llm.engine.model, llm.engine.config, requests,
@@ -173,6 +174,8 @@ def run(args: argparse.Namespace) -> None:
             engines[p], requests, slos=slos, start=args.rate or 1.0,
             max_probes=args.max_rate_probes, seed=args.seed, burstiness=args.burstiness,
             progress=progress) for p in bench.POLICY_NAMES}
+    # meshserve's alone: before a peer runs in this process (the HF peer does)
+    payload.setdefault("peak_rss_bytes", memory.own_peak_rss_bytes())
     if peers:
         results["peers"] = bench.run_peers(
             peers, args.model, requests, max_batch_size=llm.engine.config.max_num_seqs,
@@ -181,6 +184,10 @@ def run(args: argparse.Namespace) -> None:
     _print_bench(results, payload.get("roofline"), online=args.mode == "online")
     if "repeats" in results:
         print("\n".join(repeats.summary_lines(results["repeats"]["summary"])))
+    print("peak RSS: " + ", ".join(
+        [f"meshserve {payload['peak_rss_bytes'] / 2**20:.0f} MiB"]
+        + [f"{name} {peer['peak_rss_bytes'] / 2**20:.0f} MiB"
+           for name, peer in results.get("peers", {}).items() if peer.get("peak_rss_bytes")]))
     if plots_to is not None:
         directory, stem = plots_to
         payload["plots"] = plots.write_plots(results, directory, stem) | {
@@ -198,11 +205,14 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _repeated(args: argparse.Namespace, llm: LLM, requests: list, engines: dict,
-              peers: list[str], online: dict[str, Any], progress: bool) -> dict[str, Any]:
+              peers: list[str], online: dict[str, Any], progress: bool
+              ) -> tuple[dict[str, Any], int]:
     """`--repeats N`: continuous, static and each peer, in that order, N times over
     (`meshserve.serving.bench.repeats`). The results show each system's median run, the ratios
-    are ratios of medians, and `repeats` holds the summary and every run."""
-    runs = []
+    are ratios of medians, and `repeats` holds the summary and every run. Also returns this
+    process's peak resident memory after the first repeat's policies, before any peer ran in
+    it (the HF peer does)."""
+    runs, peak = [], None
     for i in range(args.repeats):
         print(f"repeat {i + 1} of {args.repeats}", flush=True)
         run: dict[str, Any] = {}
@@ -212,6 +222,7 @@ def _repeated(args: argparse.Namespace, llm: LLM, requests: list, engines: dict,
                 lambda: bench.run_offline(engine, requests, progress=progress)
                 if args.mode == "offline" else
                 bench.run_online(engine, requests, progress=progress, **online))
+        peak = peak or memory.own_peak_rss_bytes()
         for name in peers:
             run[name] = repeats.measured(lambda: bench.run_peers(
                 [name], args.model, requests, max_batch_size=llm.engine.config.max_num_seqs,
@@ -237,7 +248,7 @@ def _repeated(args: argparse.Namespace, llm: LLM, requests: list, engines: dict,
                 peer["ratio_continuous_ttft_median"] = ours / theirs
             results["peers"][name] = peer
     results["repeats"] = {"summary": summary, "runs": runs}
-    return results
+    return results, peak
 
 
 def _plots_to(args: argparse.Namespace, output: Path | None) -> tuple[Path, str] | None:

@@ -41,7 +41,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from meshserve.serving.bench import latency, llama_server_build, loadgen
+from meshserve.serving.bench import latency, llama_server_build, loadgen, memory
 from meshserve.serving.bench.peers import PeerUnavailable, model_files
 from meshserve.serving.bench.workloads import BenchRequest
 
@@ -107,7 +107,8 @@ def run_peer(model: str, requests: Sequence[BenchRequest], *, shape: ServerShape
     path = model_files(NAME, model).path
     binary = llama_server_build.ensure_built(cache_dir, model=path, log=log)
     build = llama_server_build.build_info(cache_dir)
-    with serve(binary, path, shape) as target:
+    peaks: dict[str, int | None] = {}
+    with serve(binary, path, shape, peaks) as target:
         warmup = dataclasses.replace(requests[0], num_output_tokens=min(
             WARMUP_TOKENS, requests[0].num_output_tokens))
         _check_warmup(*loadgen.run_online(target, [warmup], frontend=NAME))
@@ -125,6 +126,7 @@ def run_peer(model: str, requests: Sequence[BenchRequest], *, shape: ServerShape
         "version": version(binary),
         "build": build,
         "threads": shape.threads,
+        "peak_rss_bytes": peaks.get("peak_rss_bytes"),
         "server": dataclasses.asdict(shape) | {"arguments": shape.arguments()},
         "arrivals": {"rate": rate, "burstiness": burstiness, "concurrency": concurrency,
                      "seed": seed},
@@ -157,10 +159,12 @@ def _check_warmup(timings: list[latency.RequestTiming], _wall: float) -> None:
 
 
 @contextlib.contextmanager
-def serve(binary: Path, model_path: Path, shape: ServerShape) -> Iterator[str]:
+def serve(binary: Path, model_path: Path, shape: ServerShape,
+          peaks: dict[str, int | None] | None = None) -> Iterator[str]:
     """A running llama-server on 127.0.0.1, answering `/health`; yields "127.0.0.1:port" and
     stops the server when the block ends, however it ends. A server that exited while the
-    block ran raises `PeerUnavailable` (from the block's own exception, if any)."""
+    block ran raises `PeerUnavailable` (from the block's own exception, if any). With `peaks`,
+    the server's peak resident memory is put in it as `peak_rss_bytes` before it stops."""
     with tempfile.TemporaryDirectory(prefix="meshserve-llama-server-") as scratch:
         log_path = Path(scratch) / "server.log"
         port = free_port()
@@ -178,6 +182,8 @@ def serve(binary: Path, model_path: Path, shape: ServerShape) -> Iterator[str]:
                 raise
             _raise_if_exited(process, log_path, None)
         finally:
+            if peaks is not None:
+                peaks["peak_rss_bytes"] = memory.process_peak_rss_bytes(process.pid)
             stop(process)
 
 

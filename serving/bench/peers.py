@@ -49,6 +49,7 @@ from typing import Any, Protocol
 
 from meshserve.model.config import PRESETS
 from meshserve.model.loading.hub import ModelFiles, ModelNotFoundError, known_models, resolve_model
+from meshserve.serving.bench import memory
 
 PEERS = ("hf", "llama-cpp")
 GGUF_PEERS = ("llama-cpp", "llama-server")  # llama-server: `meshserve.serving.bench.llama_server`
@@ -80,7 +81,8 @@ def run_peer(name: str, model: str, requests: Sequence[PeerRequest], *,
     """Run `requests` through the peer `name` on `model` and return its throughput.
 
     The result has the keys peer, wall_s, output_tokens, output_tokens_per_s, requests_per_s,
-    num_requests, version (the peer library's) and threads (the CPU threads it used).
+    num_requests, version (the peer library's), threads (the CPU threads it used) and
+    peak_rss_bytes (llama.cpp's process's; None for HF, which runs in this process).
     """
     if name not in PEERS:
         raise ValueError(f"Unknown peer {name!r}; choose one of {', '.join(PEERS)}")
@@ -90,10 +92,14 @@ def run_peer(name: str, model: str, requests: Sequence[PeerRequest], *,
         raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
     files = model_files(name, model)
     build = None  # what the peer's native library was built with, where it can say
+    # Peak resident memory: llama.cpp's child process reports its own; HF runs in this process,
+    # whose peak also holds meshserve's, so none is recorded for it.
+    peak_rss = None
     if name == "hf":
         wall_s, version, used_threads = _run_hf(files, requests, max_batch_size, threads)
     else:
-        wall_s, version, used_threads, build = _run_llama_cpp(files, requests, threads)
+        wall_s, version, used_threads, build, peak_rss = _run_llama_cpp(files, requests,
+                                                                         threads)
     output_tokens = sum(r.num_output_tokens for r in requests)
     return {
         "peer": name,
@@ -104,6 +110,7 @@ def run_peer(name: str, model: str, requests: Sequence[PeerRequest], *,
         "num_requests": len(requests),
         "version": version,
         "threads": used_threads,
+        "peak_rss_bytes": peak_rss,
     } | ({"build": build} if build is not None else {})
 
 
@@ -203,7 +210,8 @@ def _run_llama_cpp(files: ModelFiles, requests: Sequence[PeerRequest],
         result = _run_llama_cpp_child(Path(scratch), job)
     build = {"library": "llama-cpp-python", "version": result["version"],
              "system_info": result["system_info"]}
-    return result["wall_s"], result["version"], result["threads"], build
+    return result["wall_s"], result["version"], result["threads"], build, result.get(
+        "peak_rss_bytes")
 
 
 def _require_installed(module: str, extra: str) -> None:
@@ -289,7 +297,8 @@ def _llama_cpp_child(scratch: str) -> int:
         _llama_generate(llama, prompt, length)
     wall_s = time.perf_counter() - start
     _write_json(directory / "result.json",
-                info | {"wall_s": wall_s, "threads": llama.n_threads})
+                info | {"wall_s": wall_s, "threads": llama.n_threads,
+                        "peak_rss_bytes": memory.own_peak_rss_bytes()})
     return 0
 
 

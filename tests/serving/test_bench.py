@@ -96,7 +96,9 @@ def test_bench_compares_both_policies_and_writes_the_results(mode, tmp_path, cap
             assert r["itl_s"]["count"] == 50  # 5 gaps in each of 10 six-token streams
             assert r["goodput"]["slos"]["name"] == "mlperf-llama2-70b-server x1"
     assert results["results"]["ratio_output_tokens_per_s"] > 0
+    assert results["peak_rss_bytes"] > results["weight_bytes"]  # this process's, weights and all
     printed = capsys.readouterr().out
+    assert "peak RSS: meshserve" in printed
     assert "continuous / static output tokens/s" in printed and f"wrote {out}" in printed
     assert ("ttft" in printed) == (mode == "online")
     assert main(command) == 2

@@ -174,6 +174,7 @@ def test_run_peer_serves_the_workload_from_a_server_shaped_like_the_engine(fake_
     assert result["build"]["smoke_test"]["outcome"] == "passed"
     assert result["build"]["cmake_options"] == list(build.CMAKE_OPTIONS)
     assert len(result["load_average"]["before"]) == len(result["load_average"]["after"]) == 3
+    assert result["peak_rss_bytes"] > 0  # the fake server process's own, read before it stops
     argv = json.loads(fake_binary["argv"].read_text())
     assert {name: flag(argv, name) for name in ("-np", "-c", "-b", "-ub", "-t", "-tb",
                                                 "--cache-ram", "--host", "-m")} == {

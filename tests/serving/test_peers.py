@@ -148,6 +148,9 @@ def test_an_installed_peer_generates_every_requested_token_on_smollm2(peer):
     assert result["output_tokens_per_s"] == pytest.approx(8 / result["wall_s"])
     assert result["requests_per_s"] == pytest.approx(2 / result["wall_s"])
     assert isinstance(result["version"], str) and result["version"]
-    if peer == "llama-cpp":  # what the library was built with
+    if peer == "llama-cpp":  # what the library was built with, and its process's peak memory
         assert result["build"]["version"] == result["version"]
         assert "CPU :" in result["build"]["system_info"]
+        assert result["peak_rss_bytes"] > 50 * 2**20  # the 98 MB file is mapped and read
+    else:  # runs in this process, whose peak holds meshserve's too
+        assert result["peak_rss_bytes"] is None
