@@ -18,7 +18,8 @@ which makes a numpy view of every array element, took 15 s (SmolLM2's: 0.1 s aga
 
 The reader of the file last opened is kept while the file is unchanged (its size and
 modification time), as loading a model opens it twice: for the weights
-(`meshserve.model.loading.gguf_files`) and for the tokenizer (`meshserve.model.gguf_vocab`).
+(`meshserve.model.loading.gguf_files`) and for the tokenizer (`meshserve.model.gguf_vocab`);
+`release` forgets it once both are read.
 A file that is not GGUF, truncated or corrupt raises one ValueError that says so; big-endian
 files and unknown versions are refused by name. The `gguf` package gives only the ggml type
 constants and their block sizes. This module imports neither jax nor flax.
@@ -92,6 +93,13 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
         raise FileNotFoundError(f"no such file: {path}")
     stat = path.stat()
     return _read_gguf(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+def release() -> None:
+    """Forgets the file last opened, so that its memory map (and the pages of it that were
+    read, which count as this process's resident memory) goes once no view of it is left: for
+    a loader that has copied every tensor out and read the tokenizer."""
+    _read_gguf.cache_clear()
 
 
 @functools.lru_cache(maxsize=1)

@@ -25,13 +25,15 @@ import os
 from typing import Any, Mapping, Protocol
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
+from meshserve.model import gguf_reader
 from meshserve.model.loading.checkpoint import load_checkpoint, read_tokenizer
 from meshserve.model.config import PRESETS, ModelConfig
 from meshserve.model.loading.hub import ModelFiles, resolve_model
 from meshserve.model.loading import load_weights
-from meshserve.model.quant_formats import KernelPlan, check_scheme, scheme_plan
+from meshserve.model.quant_formats import KernelPlan, QuantizedArray, check_scheme, scheme_plan
 from meshserve.model.quantized_weights import (kernel_formats, quantizable_kernels,
                                                quantize_model, file_block_plans)
 from meshserve.model.tokenizer import Tokenizer
@@ -82,6 +84,7 @@ def load_pretrained(name_or_path: str, *, dtype: str = "float32", seed: int = 0,
             model, tokenizer = _restore(files.path, dtype, placement)
         else:
             model, tokenizer = _read(files, dtype, plans, placement), load_tokenizer(files)
+            gguf_reader.release()  # every tensor is copied out: the file's pages can go
     model = quantize_model(model, quantization)  # kernels loaded quantized stay
     return Pretrained(config=model.config, model=model, tokenizer=tokenizer)
 
@@ -95,10 +98,18 @@ def _restore(directory, dtype: str, placement: Placement | None
 
 
 def _read(files: ModelFiles, dtype: str, plans, placement: Placement | None) -> nnx.Module:
-    config, params = load_weights(files, dtype=dtype, place=placement, plans=plans)
+    config, params = load_weights(files, dtype=dtype, place=placement or _on_default_device,
+                                  plans=plans)
     if placement is None:
         return model_from_params(config, params)
     return placement.model(config, params)
+
+
+def _on_default_device(config: ModelConfig, key: str, array: Any) -> Any:
+    """One finished tensor put on JAX's default device as soon as it is read, so that its host
+    copy goes at once: loading holds one tensor on the host at a time, not every weight twice."""
+    del config, key
+    return array.map(jnp.asarray) if isinstance(array, QuantizedArray) else jnp.asarray(array)
 
 
 def scheme_plans(scheme: str, platform: str | None = None):
