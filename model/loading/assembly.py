@@ -85,13 +85,29 @@ def assemble(
         plan = kernel_plans.get(key)
         array = None if plan is None else assemble_quantized(key_slots, checkpoint, plan)
         if array is None:
-            array = np.empty(shapes[key], dtype)
-            for slot in key_slots:
-                target = array if slot.layer is None else array[slot.layer]
-                target[...] = slot.conversion.convert(checkpoint.read(slot.source))
+            array = _read_float(key, key_slots, checkpoint, shapes[key], dtype)
         check_finite(key, array)
         params[key] = array if place is None else place(config, key, array)
     return params
+
+
+def _read_float(key: str, slots: list[Slot], checkpoint: Checkpoint, shape: tuple[int, ...],
+                dtype) -> np.ndarray:
+    """One key's float array: a single tensor as its conversion gives it (not copied again,
+    unless it is a read-only view of the file), stacked layers into one array."""
+    if slots[0].layer is None:
+        slot = slots[0]
+        array = np.asarray(slot.conversion.convert(checkpoint.read(slot.source)), dtype)
+        if not array.flags.writeable:  # a view of the file itself: the params own theirs
+            array = array.copy()
+        if array.shape != shape:
+            raise ValueError(f"{slot.source} converts to shape {array.shape}, expected {shape} "
+                             f"for {key}")
+        return array
+    array = np.empty(shape, dtype)
+    for slot in slots:
+        array[slot.layer] = slot.conversion.convert(checkpoint.read(slot.source))
+    return array
 
 
 def assemble_quantized(slots: list[Slot], checkpoint: Checkpoint, plan: KernelPlan
