@@ -12,6 +12,9 @@
                           the network (Flax NNX), which knows only shapes
     quant_formats.py      quantized formats and quantization on the host (numpy)
     quantized_kernel.py   the quantized kernel a `Dense` reads, and its matmul
+    quantized_table.py    an embedding table (and tied LM head) kept in a file's blocks
+    native_dot.py, native/
+                          the quantized dot as a native CPU kernel behind XLA's FFI (opt-in)
     quantized_weights.py  a model's quantized kernels: which, quantizing, installing, storing
     executor/             running the scheduler's plans: runners, steps, sampler, layout
     length_predictor.py   the learned output-length predictor

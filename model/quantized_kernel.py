@@ -23,6 +23,9 @@ compiled HLO to hold both layouts.
 On devices a `QuantizedArray` is a pytree (its arrays the leaves, its format static), so a
 stack of them can pass through `jax.shard_map` and be sliced like an array.
 
+With `native_kernels` on (one CPU device), a grouped int8 kernel runs through a native kernel
+instead, which reads each code once (`meshserve.model.native_dot`).
+
 Which kernels of a model are quantized, and turning them so, is `meshserve.model.quantized_weights`.
 """
 
@@ -34,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from meshserve.model import native_dot
 from meshserve.model.quant_formats import QuantFormat, QuantizedArray, last_contracted_axis
 
 jax.tree_util.register_dataclass(QuantizedArray, data_fields=["values", "scales", "mins"],
@@ -72,6 +76,9 @@ def quantized_matmul(spec: str, x: jax.Array, kernel: QuantizedKernel | Quantize
     begin the kernel (every `Dense` of the model, and one expert of a stack): one dot for int8,
     two for int4."""
     q = kernel.array() if isinstance(kernel, QuantizedKernel) else kernel
+    if native_dot.active() and native_dot.serves(x, q):  # opt-in: `native_kernels`
+        with jax.named_scope(f"quantized {spec} (native)"):
+            return native_dot.grouped_dot(x, q)
     fmt = q.format
     inputs, out = spec.split("->")
     lhs, rhs = inputs.split(",")

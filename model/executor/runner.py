@@ -54,6 +54,7 @@ from meshserve.batching.plan import StepPlan, SubBatchPlan
 from meshserve.batching.runner_protocol import SampledRows
 from meshserve.batching.sampling import SamplingArrays, concat_sampling, greedy_sampling
 from meshserve.batching.structured import mask_words
+from meshserve.model import native_dot
 from meshserve.model.attention import (ATTENTION_BACKENDS, KVCache, RaggedBatch, choose_backend,
                                        init_kv_cache)
 from meshserve.model.config import ModelConfig
@@ -87,6 +88,9 @@ class RunnerConfig:
                                   "window); jnp is the portable reference",
                           compile=True, choices=ATTENTION_CHOICES)
     context_block_pages: int = 8  # pages of cached context attention reads per loop iteration
+    native_kernels: bool = knob(False, "grouped int8 kernels (a GGUF's blocks on the CPU) through "
+                                       "a native kernel built on first use with the system's C++ "
+                                       "compiler; one CPU device only", compile=True)
 
     def __post_init__(self):
         if self.attention not in ATTENTION_CHOICES:
@@ -94,7 +98,7 @@ class RunnerConfig:
                              f"{self.attention!r}")
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if isinstance(value, int) and value < 1:
+            if isinstance(value, int) and not isinstance(value, bool) and value < 1:
                 raise ValueError(f"{field.name} must be >= 1, got {value}")
         if self.num_pages < 2:
             raise ValueError("num_pages must be >= 2: page 0 is the reserved dummy page")
@@ -295,8 +299,9 @@ class ModelRunner:
         if key not in self._programs:
             sharding = None if self.layout is None else self.layout.rows
             batch, sampling = to_devices(self.template(key), sharding)
-            self._programs[key] = self._step.lower(self.params, self.cache, batch,
-                                                   sampling).compile()
+            with native_dot.enabled(self.config.native_kernels):
+                self._programs[key] = self._step.lower(self.params, self.cache, batch,
+                                                       sampling).compile()
         return self._programs[key]
 
     def warmup(self, keys: Sequence[tuple[int, int]] | None = None, *,

@@ -5,8 +5,8 @@ would give on XLA:CPU.
     .venv/bin/python scripts/quantized_dot_ffi/bench.py --rows 1 --rows 4 --rows 16 \
         --output 'benchmarks/results/quantized-dot-ffi-cpu-{date}-{commit}.json'
 
-Builds `grouped_dot.cc` (beside this file) with g++ against jaxlib's FFI headers into a
-temporary folder, checks it against `quantized_matmul` on random codes, then times a scan over
+Builds `model/native/grouped_dot.cc` (`meshserve.model.native_dot`, as `--native-kernels` does),
+checks it against `quantized_matmul` on random codes, then times a scan over
 30 layers of SmolLM2's MLP shapes (gate and up 576 x 1536, down 1536 x 576; int8 codes in groups
 of 32 with float32 scales and mins, as its Q4_1 blocks are kept on the CPU) three ways: float32
 weights, meshserve's `quantized_matmul` (each layer's codes dequantized, then one dot), and the
@@ -17,17 +17,14 @@ FFI kernel (one thread). CPU and wall ms, minimum over the repeats, interleaved.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshserve.model import native_dot
 from meshserve.model.quant_formats import QuantFormat, QuantizedArray, dequantize, from_codes
 from meshserve.model.quantized_kernel import quantized_matmul
 from meshserve.serving.bench import bench, result_files
@@ -36,23 +33,8 @@ LAYERS, D, F, GROUP = 30, 576, 1536, 32
 FORMAT = QuantFormat(bits=8, group=GROUP, num_contracted=1, num_out=1, has_mins=True)
 
 
-def build(directory: Path) -> Path:
-    library = directory / "grouped_dot.so"
-    subprocess.run(["g++", "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w",
-                    f"-I{jax.ffi.include_dir()}", str(Path(__file__).with_name("grouped_dot.cc")),
-                    "-o", str(library)], check=True)
-    return library
-
-
-def register(library: Path) -> None:
-    handle = ctypes.cdll.LoadLibrary(str(library))
-    jax.ffi.register_ffi_target("meshserve_grouped_dot",
-                                jax.ffi.pycapsule(handle.MeshserveGroupedDot), platform="cpu")
-
-
 def ffi_dot(x: jax.Array, q: QuantizedArray) -> jax.Array:
-    out = jax.ShapeDtypeStruct((x.shape[0], q.values.shape[1]), jnp.float32)
-    return jax.ffi.ffi_call("meshserve_grouped_dot", out)(x, q.values, q.scales, q.mins)
+    return native_dot.grouped_dot(x, q)
 
 
 def kernels(rng, k: int, n: int) -> QuantizedArray:
@@ -85,37 +67,36 @@ def main() -> None:
     except ValueError as err:
         parser.error(str(err))
     measured = {}
-    with tempfile.TemporaryDirectory() as directory:
-        register(build(Path(directory)))
-        rng = np.random.default_rng(0)
-        gate, up, down = kernels(rng, D, F), kernels(rng, D, F), kernels(rng, F, D)
-        one = lambda q: q.map(lambda a: a[0])  # noqa: E731
-        x = jnp.asarray(rng.standard_normal((3, D)), jnp.float32)
-        want = quantized_matmul("nd,df->nf", x, one(gate))
-        np.testing.assert_allclose(ffi_dot(x, one(gate)), want, rtol=1e-4, atol=1e-4)
-        floats = tuple(jnp.asarray(dequantize(q.map(np.asarray))) for q in (gate, up, down))
-        variants = {
-            "float32": (mlp_scan(lambda h, w: h @ w), floats),
-            "quantized_matmul": (mlp_scan(lambda h, w: quantized_matmul("nd,df->nf", h, w)),
-                                 (gate, up, down)),
-            "ffi kernel": (mlp_scan(ffi_dot), (gate, up, down)),
-        }
-        for rows in args.rows or [1, 16]:
-            h = jnp.asarray(rng.standard_normal((rows, D)), jnp.float32)
-            results = {name: fn(h, *w) for name, (fn, w) in variants.items()}
-            np.testing.assert_allclose(results["ffi kernel"], results["quantized_matmul"],
-                                       rtol=1e-3, atol=1e-3)
-            times = {name: [] for name in variants}
-            for _ in range(args.repeats):
-                for name, (fn, w) in variants.items():
-                    cpu, wall = time.process_time(), time.perf_counter()
-                    jax.block_until_ready(fn(h, *w))
-                    times[name].append((time.process_time() - cpu, time.perf_counter() - wall))
-            measured[rows] = {name: {"cpu_s": min(c for c, _ in t), "wall_s": min(w for _, w in t)}
-                              for name, t in times.items()}
-            print(f"{rows} rows, 30 layers of MLP: " + ", ".join(
-                f"{name} cpu {min(c for c, _ in t) * 1e3:.1f} ms wall "
-                f"{min(w for _, w in t) * 1e3:.1f} ms" for name, t in times.items()), flush=True)
+    native_dot.ensure_registered()
+    rng = np.random.default_rng(0)
+    gate, up, down = kernels(rng, D, F), kernels(rng, D, F), kernels(rng, F, D)
+    one = lambda q: q.map(lambda a: a[0])  # noqa: E731
+    x = jnp.asarray(rng.standard_normal((3, D)), jnp.float32)
+    want = quantized_matmul("nd,df->nf", x, one(gate))
+    np.testing.assert_allclose(ffi_dot(x, one(gate)), want, rtol=1e-4, atol=1e-4)
+    floats = tuple(jnp.asarray(dequantize(q.map(np.asarray))) for q in (gate, up, down))
+    variants = {
+        "float32": (mlp_scan(lambda h, w: h @ w), floats),
+        "quantized_matmul": (mlp_scan(lambda h, w: quantized_matmul("nd,df->nf", h, w)),
+                             (gate, up, down)),
+        "ffi kernel": (mlp_scan(ffi_dot), (gate, up, down)),
+    }
+    for rows in args.rows or [1, 16]:
+        h = jnp.asarray(rng.standard_normal((rows, D)), jnp.float32)
+        results = {name: fn(h, *w) for name, (fn, w) in variants.items()}
+        np.testing.assert_allclose(results["ffi kernel"], results["quantized_matmul"],
+                                   rtol=1e-3, atol=1e-3)
+        times = {name: [] for name in variants}
+        for _ in range(args.repeats):
+            for name, (fn, w) in variants.items():
+                cpu, wall = time.process_time(), time.perf_counter()
+                jax.block_until_ready(fn(h, *w))
+                times[name].append((time.process_time() - cpu, time.perf_counter() - wall))
+        measured[rows] = {name: {"cpu_s": min(c for c, _ in t), "wall_s": min(w for _, w in t)}
+                          for name, t in times.items()}
+        print(f"{rows} rows, 30 layers of MLP: " + ", ".join(
+            f"{name} cpu {min(c for c, _ in t) * 1e3:.1f} ms wall "
+            f"{min(w for _, w in t) * 1e3:.1f} ms" for name, t in times.items()), flush=True)
     if output:
         result_files.write_json(output, {
             "command": " ".join(["scripts/quantized_dot_ffi/bench.py", *sys.argv[1:]]),

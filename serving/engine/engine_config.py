@@ -51,6 +51,7 @@ class EngineConfig(SchedulingKnobs):
                                               "keeps learning from finished requests")
     max_logprobs: int = same_knob(RunnerConfig, "max_logprobs")
     attention: str = same_knob(RunnerConfig, "attention")
+    native_kernels: bool = same_knob(RunnerConfig, "native_kernels")
     pipeline_rounds: int = knob(4, "stage > 1: steps one pipeline call runs before the host steps "
                                    "in (1 for a call with a penalty)", compile=True)
     bubble_filling: bool = knob(True, "stage > 1: overlap rounds and fill idle stage slots with "
@@ -69,13 +70,17 @@ class EngineConfig(SchedulingKnobs):
             raise ValueError(f"quantization must be one of {SCHEMES}, got {self.quantization!r}")
         if not isinstance(self.pipeline_rounds, int) or self.pipeline_rounds < 1:
             raise ValueError(f"pipeline_rounds must be >= 1, got {self.pipeline_rounds}")
+        if self.native_kernels and self.mesh_config.num_devices > 1:
+            raise ValueError("native_kernels runs on one CPU device; it does not split over a "
+                             f"mesh ({self.mesh})")
 
     def _trial_runner_config(self) -> RunnerConfig:
         """The runner's validation of its knobs, run as soon as the config is built."""
         return RunnerConfig(num_pages=self.num_pages, page_size=self.page_size,
                             max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens,
-                            max_logprobs=self.max_logprobs, attention=self.attention)
+                            max_logprobs=self.max_logprobs, attention=self.attention,
+                            native_kernels=self.native_kernels)
 
     @property
     def mesh_config(self) -> MeshConfig:
