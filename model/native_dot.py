@@ -40,6 +40,8 @@ from meshserve.model.quant_formats import QuantizedArray
 SOURCE = Path(__file__).with_name("native") / "grouped_dot.cc"
 TARGET = "meshserve_grouped_dot"
 SYMBOL = "MeshserveGroupedDot"
+TABLE_TARGET = "meshserve_table_dot"
+TABLE_SYMBOL = "MeshserveTableDot"
 _active = contextvars.ContextVar("meshserve_native_dot", default=False)
 
 
@@ -85,12 +87,32 @@ def grouped_dot(x: jax.Array, q: QuantizedArray) -> jax.Array:
     return y.reshape(*x.shape[:-1], q.values.shape[1])
 
 
+def serves_table(x: jax.Array, table: QuantizedArray) -> bool:
+    """Whether the table kernel computes `x [..., D] . table [V, D]^T`: int8 codes in groups
+    along D (the vocabulary a stack axis), float32 activations."""
+    fmt = table.format
+    return (fmt.bits == 8 and fmt.group is not None and fmt.num_contracted == 1
+            and fmt.num_out == 0 and table.values.ndim == 2 and x.dtype == jnp.float32)
+
+
+def table_dot(x: jax.Array, table: QuantizedArray) -> jax.Array:
+    """`x [..., D] . dequantized table [V, D]^T` -> [..., V] through the native kernel."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = jax.ShapeDtypeStruct((rows.shape[0], table.values.shape[0]), jnp.float32)
+    mins = (table.mins if table.mins is not None else jnp.zeros((0, 0), jnp.float32))
+    y = jax.ffi.ffi_call(TABLE_TARGET, out)(rows, table.values,
+                                            table.scales.astype(jnp.float32),
+                                            mins.astype(jnp.float32))
+    return y.reshape(*x.shape[:-1], table.values.shape[0])
+
+
 @functools.cache
 def ensure_registered() -> None:
     """Builds (once per cache) and registers the kernel with XLA (once per process)."""
     library = ctypes.cdll.LoadLibrary(str(build()))
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(library, SYMBOL)),
-                                platform="cpu")
+    for target, symbol in ((TARGET, SYMBOL), (TABLE_TARGET, TABLE_SYMBOL)):
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
+                                    platform="cpu")
 
 
 def build(cache_dir: str | os.PathLike | None = None) -> Path:

@@ -15,7 +15,8 @@ table stays float under every scheme.
   table, 671 MB a step, and as much memory held), so the vocabulary is cut into chunks of
   `CHUNK_BYTES` of float weights, each dequantized into a buffer that stays in cache and
   multiplied by every row, one chunk after another (`jax.lax.map`).
-  `scripts/quant_matmul_bench.py --table` times it against the float table.
+  `scripts/profile_step.py --lm-head` times it against the float table. With `native_kernels`
+  a native kernel reads the codes instead, each once (`meshserve.model.native_dot`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from meshserve.model import native_dot
 from meshserve.model.quant_formats import QuantizedArray, dequantize
 
 # Float bytes of one chunk of the table that `table_logits` dequantizes at a time for several
@@ -41,6 +43,9 @@ def table_rows(table: QuantizedArray, ids: jax.Array, dtype) -> jax.Array:
 
 def table_logits(x: jax.Array, table: QuantizedArray) -> jax.Array:
     """`x [..., D] . table [V, D]^T` -> [..., V], reading the table from its codes."""
+    if native_dot.active() and native_dot.serves_table(x, table):  # opt-in: `native_kernels`
+        with jax.named_scope("quantized table logits (native)"):
+            return native_dot.table_dot(x, table)
     lead, d = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, d)
     vocab = table.values.shape[0]

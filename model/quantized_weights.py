@@ -127,20 +127,22 @@ def file_block_kernels(model: nnx.Module) -> dict[str, tuple[Any, int, int]]:
     return {**table_kernels(model), **head_kernels(model)}
 
 
-def file_block_plans(model: nnx.Module, scheme: str, platform: str) -> dict[str, KernelPlan]:
+def file_block_plans(model: nnx.Module, scheme: str, platform: str, *, native: bool = False
+                     ) -> dict[str, KernelPlan]:
     """What loading does with each of `file_block_kernels` under `scheme` on `platform`: a
     file's blocks are kept where their codes fit the scheme's containers (for the int4 schemes,
     4 bits, else 8: a Q8_0 table is kept as it is rather than left float); float weights stay
     float. On the CPU what the LM head reads (its own kernel, or a tied table) is dequantized at
     load instead: XLA:CPU converts every code of it every step before its product, which costs
     more than reading float32 (docs/models.md#quantized-weights: SmolLM2 and Gemma 3 270M decode
-    slower with their kept tables), so there only a table that is just gathered is kept."""
+    slower with their kept tables), so there only a table that is just gathered is kept, unless
+    `native` (native kernels, `meshserve.model.native_dot`, read the codes themselves)."""
     keep = (auto_keep_bits(platform) if scheme == "auto"
             else (4, 8) if scheme.startswith("int4") else (8,))
     read_by_head = {"lm_head/kernel", "embed/embedding" if not head_kernels(model) else None}
     return {key: KernelPlan(fmt=None, keep_bits=keep, num_contracted=n, num_out=out)
             for key, (_, n, out) in file_block_kernels(model).items()
-            if not (platform == "cpu" and key in read_by_head)}
+            if native or not (platform == "cpu" and key in read_by_head)}
 
 
 def held_kernels(model: nnx.Module) -> dict[str, tuple[Any, int, int]]:

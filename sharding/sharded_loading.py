@@ -44,13 +44,14 @@ from meshserve.sharding.rules import DEFAULT_RULES, ShardingRules
 def load_sharded(name_or_path: str, mesh_config: MeshConfig | str | None, *,
                  dtype: str = "float32", seed: int = 0, cache_dir=None,
                  rules: ShardingRules = DEFAULT_RULES, mesh: Mesh | None = None,
-                 quantization: str = "none") -> Pretrained:
+                 quantization: str = "none", native_kernels: bool = False) -> Pretrained:
     """Like `load_pretrained`, with every weight already placed on the mesh's devices, split by
     `rules`, and heads padded for `mesh_config.model`. The model config of the result is the
     padded one."""
     placement = MeshPlacement(MeshConfig.coerce(mesh_config), rules, mesh)
     return load_pretrained(name_or_path, dtype=dtype, seed=seed, cache_dir=cache_dir,
-                           quantization=quantization, placement=placement)
+                           quantization=quantization, placement=placement,
+                           native_kernels=native_kernels)
 
 
 class MeshPlacement:

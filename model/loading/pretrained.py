@@ -70,15 +70,15 @@ class Placement(Protocol):
 
 def load_pretrained(name_or_path: str, *, dtype: str = "float32", seed: int = 0,
                     cache_dir: str | os.PathLike | None = None,
-                    quantization: str = "none", placement: Placement | None = None
-                    ) -> Pretrained:
+                    quantization: str = "none", placement: Placement | None = None,
+                    native_kernels: bool = False) -> Pretrained:
     check_scheme(quantization)  # an unknown scheme fails here, before any file is read
     if name_or_path in PRESETS:
         config = ModelConfig.preset(name_or_path, dtype=dtype)
         model, tokenizer = create_model(config, seed=seed), None
     else:
         platform = None if placement is None else placement.platform
-        plans = scheme_plans(quantization, platform=platform)
+        plans = scheme_plans(quantization, platform=platform, native=native_kernels)
         files = resolve_model(name_or_path, cache_dir=cache_dir)
         if files.kind == "orbax":
             model, tokenizer = _restore(files.path, dtype, placement)
@@ -112,9 +112,10 @@ def _on_default_device(config: ModelConfig, key: str, array: Any) -> Any:
     return array.map(jnp.asarray) if isinstance(array, QuantizedArray) else jnp.asarray(array)
 
 
-def scheme_plans(scheme: str, platform: str | None = None):
+def scheme_plans(scheme: str, platform: str | None = None, *, native: bool = False):
     """The loaders' `plans` for `scheme` on `platform` (default: JAX's default backend's):
-    config -> {kernel key: KernelPlan}; None for "none"."""
+    config -> {kernel key: KernelPlan}; None for "none". `native`: the engine will run native
+    kernels, which read a kept LM head's codes themselves (`file_block_plans`)."""
     check_scheme(scheme)
     if scheme == "none":
         return None
@@ -125,7 +126,7 @@ def scheme_plans(scheme: str, platform: str | None = None):
         kernel_formats(model, scheme)  # checks that the float kernels divide into groups
         return {**{key: scheme_plan(scheme, n, out, platform=platform)
                    for key, (_, n, out) in quantizable_kernels(model).items()},
-                **file_block_plans(model, scheme, platform)}
+                **file_block_plans(model, scheme, platform, native=native)}
 
     return plans
 

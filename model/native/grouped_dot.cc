@@ -144,3 +144,83 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveGroupedDot, GroupedDot,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+// The tied LM head over a table kept in its blocks: y [M, V] = x [M, D] . T [V, D]^T, where
+// T = codes * scale (+ min) per group of G along D (a GGUF's `token_embd` layout: codes int8
+// [V, D], scales and mins float32 [V, D / G]). Each row of codes is read once, for every row of
+// x: per group, the dot of its codes with x's group, times the group's scale, plus the group's
+// minimum times x's group sum. One thread.
+static ffi::Error TableDot(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> codes,
+                           ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins,
+                           ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), cd = codes.dimensions(), sd = scales.dimensions();
+  if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2)
+    return ffi::Error::InvalidArgument("x, codes and scales must be 2-D");
+  const int64_t m = xd[0], d = xd[1], v = cd[0], groups = sd[1];
+  if (cd[1] != d || sd[0] != v || groups == 0 || d % groups)
+    return ffi::Error::InvalidArgument("shapes do not agree");
+  const bool has_mins = mins.dimensions().size() == 2 && mins.dimensions()[0] == v;
+  const int64_t g = d / groups;
+  const float* xs = x.typed_data();
+  const int8_t* c = codes.typed_data();
+  const float* s = scales.typed_data();
+  const float* mn = has_mins ? mins.typed_data() : nullptr;
+  float* out = y->typed_data();
+  std::vector<float> xsum(m * groups, 0.0f);
+  if (mn)
+    for (int64_t mi = 0; mi < m; ++mi)
+      for (int64_t gi = 0; gi < groups; ++gi)
+        for (int64_t j = 0; j < g; ++j) xsum[mi * groups + gi] += xs[mi * d + gi * g + j];
+  std::vector<float> row(d);
+#if defined(__AVX512F__)
+  if (g % 16 == 0) {  // per row: sum over groups of scale * (x . codes), one reduction a row
+    for (int64_t vi = 0; vi < v; ++vi) {
+      const int8_t* code = c + vi * d;
+      for (int64_t j = 0; j < d; j += 16)
+        _mm512_storeu_ps(row.data() + j, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(code + j)))));
+      const float* sv = s + vi * groups;
+      for (int64_t mi = 0; mi < m; ++mi) {
+        const float* xm = xs + mi * d;
+        __m512 total = _mm512_setzero_ps();
+        float extra = 0.0f;
+        for (int64_t gi = 0; gi < groups; ++gi) {
+          __m512 partial = _mm512_setzero_ps();
+          for (int64_t j = gi * g; j < (gi + 1) * g; j += 16)
+            partial = _mm512_fmadd_ps(_mm512_loadu_ps(xm + j), _mm512_loadu_ps(row.data() + j),
+                                      partial);
+          total = _mm512_fmadd_ps(_mm512_set1_ps(sv[gi]), partial, total);
+          if (mn) extra += mn[vi * groups + gi] * xsum[mi * groups + gi];
+        }
+        out[mi * v + vi] = _mm512_reduce_add_ps(total) + extra;
+      }
+    }
+    return ffi::Error::Success();
+  }
+#endif
+  for (int64_t vi = 0; vi < v; ++vi) {
+    const int8_t* code = c + vi * d;
+    for (int64_t j = 0; j < d; ++j) row[j] = static_cast<float>(code[j]);
+    const float* sv = s + vi * groups;
+    for (int64_t mi = 0; mi < m; ++mi) {
+      const float* xm = xs + mi * d;
+      float total = 0.0f;
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        float partial = 0.0f;
+        for (int64_t j = gi * g; j < (gi + 1) * g; ++j) partial += xm[j] * row[j];
+        total += partial * sv[gi];
+        if (mn) total += mn[vi * groups + gi] * xsum[mi * groups + gi];
+      }
+      out[mi * v + vi] = total;
+    }
+  }
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveTableDot, TableDot,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -57,7 +57,8 @@ class LLM:
         if self.cluster is not None:
             multihost.check_mesh(config.mesh_config)
         pretrained = load_sharded(model, config.mesh_config, dtype=dtype, seed=seed,
-                                  quantization=config.quantization)
+                                  quantization=config.quantization,
+                                  native_kernels=config.native_kernels)
         self.tokenizer = pretrained.tokenizer
         self.model_config = pretrained.config
         self.engine = Engine.from_model(pretrained.model, pretrained.tokenizer,

@@ -12,7 +12,7 @@ import pytest
 
 from meshserve.model import native_dot
 from meshserve.model.quant_formats import QuantFormat, from_codes
-from meshserve.model.quantized_kernel import quantized_matmul
+from meshserve.model.quantized_kernel import QuantizedKernel, quantized_matmul
 
 try:
     native_dot.ensure_registered()
@@ -81,7 +81,8 @@ def test_a_format_the_kernel_does_not_serve_keeps_the_jnp_path():
 
 def test_an_engine_with_native_kernels_gives_the_tokens_of_one_without():
     """llama.cpp's tiny Llama-style GGUF (Q4_0 .. Q8_0 kernels kept in int8 containers, groups
-    of 32, with and without minimums): greedy tokens equal, logprobs to float rounding."""
+    of 32, with and without minimums; a tied Q8_0 table): greedy tokens equal, logprobs to
+    float rounding."""
     from pathlib import Path
 
     from meshserve.batching.sampling import SamplingParams
@@ -90,10 +91,13 @@ def test_an_engine_with_native_kernels_gives_the_tokens_of_one_without():
     from meshserve.serving.engine.engine_config import EngineConfig
 
     path = Path(__file__).parents[1] / "golden" / "gguf-llama" / "tiny-llama.gguf"
-    model = load_pretrained(str(path), quantization="auto").model
     prompts = [[1, 45, 99, 200, 7], [1, 300, 12], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
     outputs = []
     for native in (False, True):
+        # With native kernels the tied Q8_0 table is kept in its blocks on the CPU too: the
+        # head reads its codes through the native table kernel.
+        model = load_pretrained(str(path), quantization="auto", native_kernels=native).model
+        assert isinstance(model.embed.embedding, QuantizedKernel) == native
         engine = Engine.from_model(model, None, EngineConfig(
             max_num_seqs=4, max_model_len=64, num_pages=32, page_size=8, warmup=False,
             native_kernels=native))
@@ -114,3 +118,22 @@ def test_native_kernels_are_refused_on_a_mesh():
 
     with pytest.raises(ValueError, match="one CPU device"):
         EngineConfig(mesh="model=2", native_kernels=True)
+
+
+@pytest.mark.parametrize("has_mins", [False, True])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_the_native_table_head_matches_the_jnp_path(has_mins, rows):
+    from meshserve.model.quantized_table import table_logits
+
+    fmt = QuantFormat(bits=8, group=32, num_contracted=1, num_out=0, has_mins=has_mins,
+                      scale_dtype="float16")
+    rng = np.random.default_rng(2)
+    codes = rng.integers(0 if has_mins else -127, 16 if has_mins else 128, (100, 2, 32))
+    scales = rng.uniform(0.001, 0.02, (100, 2))
+    table = from_codes(codes, scales, -8 * scales if has_mins else None, fmt).map(jnp.asarray)
+    x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
+    want = jax.jit(lambda x, t: table_logits(x, t))(x, table)
+    with native_dot.enabled():
+        lowered = jax.jit(lambda x, t: table_logits(x, t)).lower(x, table)
+    assert native_dot.TABLE_TARGET in lowered.as_text()
+    np.testing.assert_allclose(lowered.compile()(x, table), want, rtol=2e-5, atol=2e-5)
