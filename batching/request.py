@@ -161,5 +161,20 @@ def stop_status_at(request: Request, index: int, eos_token_ids: Sequence[int]
     return None
 
 
+def constrained_stop(request: Request, stop: tuple[RequestStatus, int | None] | None,
+                     end: tuple[RequestStatus, str | None] | None
+                     ) -> tuple[RequestStatus, int | str | None] | None:
+    """What ends a constrained request, given its newest output's token-level `stop` (None, or
+    max_tokens: EOS and stop ids are never fed to the matcher) and the constraint's `end` of it:
+    the constraint's end first; at max_tokens, "stop" when the output is complete (the
+    constraint kept room to close it: `batching/structured.py`), "length" only when not."""
+    if end is not None:
+        return end
+    if (stop is not None and stop[0] is RequestStatus.FINISHED_LENGTH
+            and request.constraint is not None and request.constraint.is_complete()):
+        return RequestStatus.FINISHED_STOPPED, None
+    return stop
+
+
 def _random_seed() -> int:
     return random.randrange(MAX_SEED)

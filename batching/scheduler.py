@@ -54,7 +54,7 @@ from meshserve.batching.ordering import make_ordering
 from meshserve.batching.pages import DUMMY_PAGE, PageAllocator, num_pages_for
 from meshserve.batching.plan import StepPlan, build_plan
 from meshserve.batching.policy import Policy
-from meshserve.batching.request import Request, RequestStatus, stop_status
+from meshserve.batching.request import Request, RequestStatus, constrained_stop, stop_status
 from meshserve.batching.static import StaticPolicy
 
 
@@ -381,8 +381,8 @@ class Scheduler:
         """A sampled token, or a pipeline placeholder (< 0) that `set_output` fills later."""
         request.output_token_ids.append(token)
         stop = stop_status(request, self.config.eos_token_ids)
-        if stop is None and token >= 0:
-            stop = self._constraint_end(request, token)
+        if token >= 0 and (stop is None or stop[0] is RequestStatus.FINISHED_LENGTH):
+            stop = constrained_stop(request, stop, self._constraint_end(request, token))
         if stop is not None:
             self.finish(request.request_id, *stop)
 

@@ -18,6 +18,21 @@ decides when the constraint ends the request:
 With `ignore_eos` the EOS bits are cleared from the mask: the output goes on until the constraint
 is complete or `max_tokens`, as unconstrained output goes on until `max_tokens`.
 
+Room to close: a constraint that knows its request's `max_tokens` keeps the output completable
+within it. The matcher finds a shortest completion from the current state and its length in
+tokens (`num_closing_tokens`, "need"). While the tokens left (max_tokens minus the outputs so
+far) exceed need + `CLOSING_RESERVE`, the mask is the grammar's; once they do not, it is narrowed
+to the tokens that begin a completion within what is left (`fill_closing_mask`), so the sampler
+picks among them and each step brings the output one token nearer complete. Once the matcher
+accepts, the mask is the grammar's again (with EOS; where nothing else may follow, the request
+ends "stop" at once), and an output that reaches max_tokens complete ends "stop" too
+(`request.constrained_stop`): "length" means the output is not complete. Where need exceeds
+what is left, or the matcher finds no completion, the mask is the grammar's, as without a
+budget. The reserve covers a token that opens more than it closes (a `,` before another array
+item) written just before the closing starts; the output can still end incomplete only if one
+token written freely raises need by at least the tokens that were left beyond need (more than
+`CLOSING_RESERVE`, or it would not have been free).
+
 Masks are packed as the device reads them: int32 words, bit `t % 32` of word `t // 32` set when
 token t is allowed (`mask_words`). All bits set (-1) allows everything.
 
@@ -36,6 +51,7 @@ import numpy as np
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_CONSTRAINT_CHARS = 1 << 20  # a schema, regex, grammar or choice list, as text
 MAX_CHOICES = 4096
+CLOSING_RESERVE = 4  # tokens beyond the closing's own at which closing starts (see above)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -175,6 +191,17 @@ class Matcher(Protocol):
     def error(self) -> str:
         """Why the matcher is dead; "" while it is not."""
 
+    def num_closing_tokens(self) -> int | None:
+        """The length in tokens of the shortest completion found from here (0 when accepting);
+        None if none is found."""
+
+    def num_closing_tokens_at_most(self) -> int | None:
+        """An upper bound on `num_closing_tokens`, cheaper to get; None if unknown."""
+
+    def fill_closing_mask(self, out: np.ndarray, budget: int) -> None:
+        """Writes into `out` (int32 [words]) the tokens that start a completion found from here
+        of at most `budget` tokens; all zero if none."""
+
 
 @dataclasses.dataclass(eq=False)
 class Constraint:
@@ -184,8 +211,10 @@ class Constraint:
     num_words: int
     eos_token_ids: tuple[int, ...]
     ignore_eos: bool = False
+    max_tokens: int | None = None  # the request's; None: no room kept to close
     mask: np.ndarray = dataclasses.field(init=False)  # int32 [num_words]
     num_consumed: int = 0  # outputs advanced through the matcher
+    is_closing: bool = False  # the mask is narrowed to a completion within max_tokens
 
     def __post_init__(self):
         self.mask = np.zeros(self.num_words, np.int32)
@@ -212,6 +241,10 @@ class Constraint:
     def has_allowed(self) -> bool:
         return bool(self.mask.any())
 
+    def is_complete(self) -> bool:
+        """Whether the output so far is a whole sentence of the constraint."""
+        return self.matcher.is_accepting()
+
     def _refresh(self) -> None:
         self.matcher.fill_mask(self.mask)
         if self.matcher.is_stopped():
@@ -221,6 +254,28 @@ class Constraint:
             for token in self.eos_token_ids:
                 if token < 32 * self.num_words:
                     words[token // 32] &= np.uint32(~(1 << (token % 32)) & 0xFFFFFFFF)
+        self.is_closing = self._is_closing_due()
+        if self.is_closing:
+            closing = np.empty_like(self.mask)
+            self.matcher.fill_closing_mask(closing, self.max_tokens - self.num_consumed)
+            np.bitwise_and(closing, self.mask, out=closing)
+            self.is_closing = bool(closing.any())  # else the grammar's mask, as it stands
+            if self.is_closing:
+                self.mask[:] = closing
+
+    def _is_closing_due(self) -> bool:
+        """Whether the tokens left are down to what closing needs (see the module docstring);
+        the cheap bound first, the closing walk only when the bound says it may be due."""
+        if self.max_tokens is None or self.matcher.is_stopped():
+            return False
+        num_left = self.max_tokens - self.num_consumed
+        if num_left <= 0:
+            return False
+        bound = self.matcher.num_closing_tokens_at_most()
+        if bound is not None and num_left > bound + CLOSING_RESERVE:
+            return False
+        need = self.matcher.num_closing_tokens()
+        return need is not None and 0 < need <= num_left <= need + CLOSING_RESERVE
 
     def _dead_reason(self, what: str) -> str:
         error = self.matcher.error()

@@ -240,7 +240,8 @@ class Admission:
         except ValueError as err:  # no tokenizer
             raise AdmissionError("structured", str(err)) from None
         constraint = Constraint(matcher, num_words=mask_words(self.vocab_size),
-                                eos_token_ids=self.eos_token_ids, ignore_eos=params.ignore_eos)
+                                eos_token_ids=self.eos_token_ids, ignore_eos=params.ignore_eos,
+                                max_tokens=params.max_tokens)
         end = constraint.end()
         if end is not None:
             reason, detail = end

@@ -34,7 +34,7 @@ import numpy as np
 
 from meshserve.batching.pipeline_schedule import PLACEHOLDER, PipelineSchedule, build_schedule
 from meshserve.batching.plan import StepPlan
-from meshserve.batching.request import Request, stop_status_at
+from meshserve.batching.request import Request, RequestStatus, constrained_stop, stop_status_at
 from meshserve.batching.sampling import SamplingParams
 from meshserve.batching.scheduler import Scheduler
 from meshserve.model.loading.hub import cache_root
@@ -259,7 +259,9 @@ class Engine:
                 end = self.scheduler.set_output(request, index, int(rows.tokens[row.row]))
                 stream.record_token(rows, row.row)
                 touched.setdefault(row.request_id, stream)
-                stop = stop_status_at(request, index, eos) or end
+                stop = stop_status_at(request, index, eos)
+                if stop is None or stop[0] is RequestStatus.FINISHED_LENGTH:
+                    stop = constrained_stop(request, stop, end)
                 if stop is not None:
                     self.scheduler.end_at(request, index + 1, *stop)
         return [self._output(stream) for stream in touched.values()]
