@@ -283,6 +283,17 @@ class Tokenizer:
         check_text(text, "the text")
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_chat(self, text: str) -> list[int]:
+        """Token ids of a conversation the chat template rendered: with the BOS the model wants,
+        once. Templates that write `bos_token` themselves (Gemma's, Llama 2's, Mistral's) would
+        otherwise start with two: HF transformers encodes their text without special tokens,
+        which for a template that writes none would leave the BOS out."""
+        ids = self.encode(text, add_special_tokens=True)
+        bos = self.bos_token_id
+        if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
+            return ids[1:]
+        return ids
+
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
         """Text for `ids`; special tokens are dropped unless `skip_special_tokens` is False."""
         ids = list(ids)

@@ -52,7 +52,9 @@ from meshserve.serving.engine.grammar import ConstraintError, GrammarCompiler
 MAX_REQUEST_ID_BYTES = 256  # a request id is echoed in every streamed message
 MAX_STOP_STRINGS = 64  # each step searches new text for each stop string of each request
 MAX_STOP_STRING_CHARS = 1024  # and holds back len(longest) - 1 characters while streaming
-PROMPT_KINDS = ("text", "token_ids", "chat")
+# chat: messages the chat template renders here; chat_text: a conversation the template has
+# rendered already (`LLM.chat`), encoded as a chat is.
+PROMPT_KINDS = ("text", "token_ids", "chat", "chat_text")
 
 
 class AdmissionError(ValueError):
@@ -84,8 +86,12 @@ class Prompt:
         assert self.kind in PROMPT_KINDS, self.kind
 
     @classmethod
-    def of(cls, value: str | Sequence[int] | list[dict], field: str = "prompt") -> Prompt:
-        """A text, chat messages (a list of dicts) or token ids, told apart by their type."""
+    def of(cls, value: str | Sequence[int] | list[dict] | Prompt, field: str = "prompt"
+           ) -> Prompt:
+        """A text, chat messages (a list of dicts) or token ids, told apart by their type (a
+        `Prompt` is itself)."""
+        if isinstance(value, Prompt):
+            return value
         if isinstance(value, str):
             return cls("text", value, field)
         if isinstance(value, (list, tuple)) and value and isinstance(value[0], dict):
@@ -185,10 +191,11 @@ class Admission:
             return tokenizer.encode(prompt.value, add_special_tokens=True), prompt.value
         if not prompt.value:
             raise ValueError("no messages")
-        _check_text_fits(sum(len(m["content"]) for m in prompt.value), limit, tokenizer)
-        text = tokenizer.apply_chat_template(prompt.value, add_generation_prompt=True,
-                                             tools=prompt.tools)
-        return tokenizer.encode(text, add_special_tokens=True), text
+        _check_text_fits(len(prompt.value) if prompt.kind == "chat_text" else
+                         sum(len(m["content"]) for m in prompt.value), limit, tokenizer)
+        text = prompt.value if prompt.kind == "chat_text" else tokenizer.apply_chat_template(
+            prompt.value, add_generation_prompt=True, tools=prompt.tools)
+        return tokenizer.encode_chat(text), text
 
     def _check_fits(self, num_prompt: int, max_tokens: int) -> None:
         """The prompt and its output within the context and the KV cache (the scheduler's

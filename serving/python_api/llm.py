@@ -36,6 +36,7 @@ from meshserve.batching import wire
 from meshserve.batching.sampling import SamplingParams
 from meshserve.serving.engine import multihost
 from meshserve.sharding.sharded_loading import load_sharded
+from meshserve.serving.engine.admission import Prompt as EnginePrompt
 from meshserve.serving.engine.engine_config import EngineConfig
 from meshserve.serving.engine.core import Engine
 from meshserve.serving.openai_api.chat_messages import read_messages
@@ -155,8 +156,9 @@ class LLM:
         structured = read_request(fields, chat=True, chat_tools=self._chat_tools) if fields \
             else Structured()
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self._chat_prompt(c, structured, add_generation_prompt)
-                   for c in conversations]
+        prompts = [EnginePrompt("chat_text",
+                                self._chat_prompt(c, structured, add_generation_prompt),
+                                "messages") for c in conversations]
         params = _as_params_list(sampling_params, len(prompts))
         if structured.output is not None:
             params = [_constrained(sp, structured) for sp in params]
