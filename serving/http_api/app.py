@@ -222,7 +222,12 @@ class _Api:
 
     async def _serve(self, request: Request, endpoint: str):
         body = await self._read_body(request)
-        accepted = self._accept(parse_request(body, endpoint), request.headers.get("x-request-id"))
+        # Parsing, the chat template, tokenizing and compiling a grammar (a second or more for a
+        # large schema) run on a worker thread (asyncio's bounded default pool), so that they
+        # never hold the event loop, and with it every other request's stream.
+        accepted = await asyncio.to_thread(
+            lambda: self._accept(parse_request(body, endpoint), request.headers.get(
+                "x-request-id")))
         try:
             sub = self.loop.submit(accepted.admitted,
                                    priority=-accepted.request.priority)  # vLLM: lower first

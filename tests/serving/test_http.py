@@ -550,3 +550,38 @@ def test_openai_errors_come_back_as_the_client_s_exceptions(smol_served, client)
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=model, prompt="word " * 2000, max_tokens=4)
     assert "never truncated" in err.value.body["message"]
+
+
+def test_a_slow_admission_does_not_hold_another_requests_stream():
+    """Parsing, templating, tokenizing and grammar compiles run off the event loop: while one
+    request's admission is held (a gate standing in for a long grammar compile), another request
+    is admitted and streams to its end; then the held one finishes too. Were the admission on
+    the event loop, the second request could not even be read, and the test would time out."""
+    server = _fake_server()
+    held, entered = threading.Event(), threading.Event()
+    admit = server.loop.admission.admit
+
+    def gated_admit(prompt, *args, **kwargs):
+        if list(prompt.value)[:2] == [7, 7]:  # the held request
+            entered.set()
+            assert held.wait(60), "never released"
+        return admit(prompt, *args, **kwargs)
+
+    server.loop.admission.admit = gated_admit
+    try:
+        with futures.ThreadPoolExecutor(1) as pool:
+            slow = pool.submit(_post, server, "/v1/completions",
+                               {"prompt": [7, 7, 1, 2], "max_tokens": 3}, timeout=90)
+            assert entered.wait(30)
+            conn, response = _open_stream(server, {"prompt": _prompt(3), "max_tokens": 5,
+                                                   "logprobs": 1})
+            tokens, finish = _streamed_tokens(_events(response))
+            conn.close()
+            assert len(tokens) == 5 and finish == "length"
+            assert not slow.done()  # still held while the other streamed
+            held.set()
+            status, _, body = slow.result(timeout=60)
+        assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+    finally:
+        held.set()
+        server.stop()
