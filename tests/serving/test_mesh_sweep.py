@@ -21,8 +21,10 @@ from meshserve.serving.engine.core import Engine
 from meshserve.sharding.hlo import COLLECTIVES
 from tests.conftest import random_params
 
+# A 16-token budget, one prefill chunk: six programs a mesh (token buckets 1 to 16, and prompt
+# logprobs at 16) for the sweep's warm-up to compile.
 SMALL = ["--model", "tiny-llama", "--num-pages", "32", "--max-num-seqs", "2",
-         "--max-num-batched-tokens", "32", "--prefill-chunk", "16", "--max-model-len", "32",
+         "--max-num-batched-tokens", "16", "--prefill-chunk", "16", "--max-model-len", "32",
          "--no-compilation-cache", "--no-warmup", "--pipeline-rounds", "2"]
 WORKLOAD = ["--workload", "fixed-8x4", "--num-requests", "4", "--concurrency", "2",
             "--repeats", "2"]

@@ -27,10 +27,12 @@ from tests.conftest import random_params
 ENGINE = dict(num_pages=48, page_size=16, max_num_seqs=4, max_num_batched_tokens=64,
               prefill_chunk=32, max_model_len=160, max_logprobs=5, warmup=False,
               compilation_cache=False)
-# The last four are pipeline meshes (tests/serving/test_pipeline.py has the rest of PP's tests);
-# they share this module's one-device reference run.
-SMOLLM2_MESHES = ["model=3", "data=3", "model=2", "data=2,model=2", "data=8",
-                  "stage=2", "stage=3", "stage=4", "stage=2,model=3"]
+# One mesh of each kind, the most demanding of its sizes: model=2 pads the heads (3 kv heads to
+# 4, 9 query heads to 12; model=3 divides them), data=3 splits 4 requests unevenly, stage=4 pads
+# 30 layers to 32 (8, 8, 7, 7), and data=2,model=2 and stage=2,model=3 combine axes. The last two
+# are pipeline meshes (tests/serving/test_pipeline.py has the rest of PP's tests); all share this
+# module's one-device reference run.
+SMOLLM2_MESHES = ["model=2", "data=3", "data=2,model=2", "stage=4", "stage=2,model=3"]
 TINY_MESHES = ["model=2", "data=2,model=2", "data=2,model=4", "model=4"]
 PROMPTS = ["The capital of France is", "def fibonacci(n):",
            "List three colours: red,", "Once upon a time, in a land far away, there lived a"]

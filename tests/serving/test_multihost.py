@@ -32,7 +32,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parents[2]
 WORKER = Path(__file__).with_name("multihost_worker.py")
 MESHES = ["model=4", "stage=2,model=2", "data=2,model=2"]  # (1,1,4), (1,2,2), (2,1,2)
-TIMEOUT = 300  # seconds a two-process run may take, start-up and compiles included
+TIMEOUT = 300  # seconds a two-process run of one mesh may take, start-up and compiles included
 SERVE_OPTIONS = ["--num-pages", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
                  "--prefill-chunk", "32", "--max-model-len", "256", "--no-warmup",
                  "--no-compilation-cache"]
@@ -60,6 +60,7 @@ def tiny_model(tmp_path_factory) -> Path:
 
 def _run_workers(model: Path, meshes: list[str], out: Path, *extra: str
                  ) -> list[tuple[int, str]]:
+    """Runs one job of two worker processes over `meshes`, within TIMEOUT a mesh."""
     port = _free_port()
     mesh_flags = [flag for mesh in meshes for flag in ("--mesh", mesh)]
     procs = [subprocess.Popen(
@@ -69,19 +70,29 @@ def _run_workers(model: Path, meshes: list[str], out: Path, *extra: str
         cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i in range(2)]
     try:
-        outputs = [p.communicate(timeout=TIMEOUT)[0] for p in procs]
+        outputs = [p.communicate(timeout=TIMEOUT * len(meshes))[0] for p in procs]
         return [(p.returncode, out) for p, out in zip(procs, outputs)]
     finally:
         for p in procs:
             p.kill()
 
 
-@pytest.mark.parametrize("mesh", MESHES)
-def test_two_processes_give_one_process_tokens(tiny_model, tmp_path, mesh):
-    runs = _run_workers(tiny_model, [mesh], tmp_path)
+@pytest.fixture(scope="module")
+def two_process_results(tiny_model, tmp_path_factory) -> tuple[dict, dict]:
+    """One job of two processes runs an `LLM` on every mesh of MESHES in turn (start-up, the
+    distributed runtime's set-up and imports paid once); each process's results, per mesh."""
+    out = tmp_path_factory.mktemp("multihost-meshes")
+    runs = _run_workers(tiny_model, MESHES, out)
     for process, (code, output) in enumerate(runs):
         assert code == 0, f"process {process} exited {code}:\n{output[-4000:]}"
-    leader, follower = (json.loads((tmp_path / f"{i}.json").read_text()) for i in range(2))
+    leader, follower = (json.loads((out / f"{i}.json").read_text()) for i in range(2))
+    assert set(leader) == set(follower) == set(MESHES)
+    return leader, follower
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_two_processes_give_one_process_tokens(tiny_model, two_process_results, mesh):
+    leader, follower = two_process_results
     got, other = leader[mesh], follower[mesh]
     llm = LLM(str(tiny_model), mesh=mesh, **ENGINE)  # one process, 4 of its 8 fake devices
     want_greedy = [o.outputs[0].token_ids
