@@ -72,38 +72,40 @@ def active() -> bool:
 def serves(x: jax.Array, q: QuantizedArray) -> bool:
     """Whether the kernel computes `x [..., K] . q [K, N]`: int8 codes in groups, one
     contracted and one output axis, float32 activations."""
-    fmt = q.format
-    return (fmt.bits == 8 and fmt.group is not None and fmt.num_contracted == 1
-            and fmt.num_out == 1 and q.values.ndim == 2 and x.dtype == jnp.float32)
+    return _served(x, q, num_out=1)
 
 
 def grouped_dot(x: jax.Array, q: QuantizedArray) -> jax.Array:
     """`x [..., K] . dequantized q [K, N]` -> [..., N] through the native kernel."""
-    rows = x.reshape(-1, x.shape[-1])
-    out = jax.ShapeDtypeStruct((rows.shape[0], q.values.shape[1]), jnp.float32)
-    mins = (q.mins if q.mins is not None else jnp.zeros((0, 0), jnp.float32))
-    y = jax.ffi.ffi_call(TARGET, out)(rows, q.values, q.scales.astype(jnp.float32),
-                                      mins.astype(jnp.float32))
-    return y.reshape(*x.shape[:-1], q.values.shape[1])
+    return _call(TARGET, x, q, q.values.shape[1])
 
 
 def serves_table(x: jax.Array, table: QuantizedArray) -> bool:
     """Whether the table kernel computes `x [..., D] . table [V, D]^T`: int8 codes in groups
     along D (the vocabulary a stack axis), float32 activations."""
-    fmt = table.format
-    return (fmt.bits == 8 and fmt.group is not None and fmt.num_contracted == 1
-            and fmt.num_out == 0 and table.values.ndim == 2 and x.dtype == jnp.float32)
+    return _served(x, table, num_out=0)
 
 
 def table_dot(x: jax.Array, table: QuantizedArray) -> jax.Array:
     """`x [..., D] . dequantized table [V, D]^T` -> [..., V] through the native kernel."""
+    return _call(TABLE_TARGET, x, table, table.values.shape[0])
+
+
+def _served(x: jax.Array, q: QuantizedArray, *, num_out: int) -> bool:
+    fmt = q.format
+    return (fmt.bits == 8 and fmt.group is not None and fmt.num_contracted == 1
+            and fmt.num_out == num_out and q.values.ndim == 2 and x.dtype == jnp.float32)
+
+
+def _call(target: str, x: jax.Array, q: QuantizedArray, width: int) -> jax.Array:
+    """`target` on x's rows, q's codes and its scales and mins in float32 (no mins: an empty
+    array) -> [..., width]."""
     rows = x.reshape(-1, x.shape[-1])
-    out = jax.ShapeDtypeStruct((rows.shape[0], table.values.shape[0]), jnp.float32)
-    mins = (table.mins if table.mins is not None else jnp.zeros((0, 0), jnp.float32))
-    y = jax.ffi.ffi_call(TABLE_TARGET, out)(rows, table.values,
-                                            table.scales.astype(jnp.float32),
-                                            mins.astype(jnp.float32))
-    return y.reshape(*x.shape[:-1], table.values.shape[0])
+    out = jax.ShapeDtypeStruct((rows.shape[0], width), jnp.float32)
+    mins = q.mins if q.mins is not None else jnp.zeros((0, 0), jnp.float32)
+    y = jax.ffi.ffi_call(target, out)(rows, q.values, q.scales.astype(jnp.float32),
+                                      mins.astype(jnp.float32))
+    return y.reshape(*x.shape[:-1], width)
 
 
 @functools.cache
