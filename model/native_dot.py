@@ -1,20 +1,23 @@
-"""The quantized dot as a native CPU kernel behind XLA's FFI, opt-in (`native_kernels`).
+"""The quantized dot as native CPU kernels behind XLA's FFI (`native_kernels`).
 
 XLA:CPU converts a quantized kernel's codes to floats in a buffer before each dot: a layer's
 codes are read, written out as float32 and read again, and at one row of x the conversion costs
 as much as the product. `native/grouped_dot.cc` reads each code once: at one row it streams the
 codes into a float buffer of one group's partial sums per output; at several rows (AVX-512) it
 holds 8 rows x 32 outputs of partial sums in registers while a group's codes are read. It serves
-int8 codes in groups with float scales and optional minimums (`QuantFormat(bits=8, group=G)`,
-one contracted and one output axis: every kernel a GGUF's blocks are kept in on the CPU), one
-thread, on the CPU.
+codes in groups with float scales and optional minimums, one contracted and one output axis:
+int8 codes, and codes packed in 4, 5 or 6 bits (decoded a unit at a time into a buffer in
+cache), so a GGUF's Q4, Q5 and Q6 blocks stay in the bits the file spends on them. The outputs
+are split into ranges that run on XLA's intra-op threads and the calling one. A third kernel
+reads a table kept in 8 bits for the tied LM head.
 
 It is built on first use with the system's C++ compiler against jaxlib's FFI headers, into
 `~/.cache/meshserve/native/` (keyed by the source, jax's version and the machine), and
 registered with XLA once per process. No compiler, or a failed build, is `NativeUnavailable`
-with the reason. The runner turns it on while it traces its programs (`enabled`), only where its
-config asks and only on one CPU device (`EngineConfig.native_kernels`); `quantized_matmul` then
-sends every kernel it can serve here. `tests/model/test_native_dot.py` holds it to the jnp path.
+with the reason. The runner turns it on while it traces its programs (`enabled`): by default
+wherever it can run (one CPU device, a compiler; `resolve`), or as its config says
+(`EngineConfig.native_kernels`); `quantized_matmul` then sends every kernel it can serve here.
+`tests/model/test_native_dot.py` holds it to the jnp path.
 """
 
 from __future__ import annotations
@@ -22,8 +25,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import ctypes
+import dataclasses
 import functools
 import hashlib
+import logging
+import math
 import os
 import platform
 import shutil
@@ -34,6 +40,7 @@ from typing import Iterator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from meshserve.model.quant_formats import QuantizedArray
 
@@ -42,11 +49,51 @@ TARGET = "meshserve_grouped_dot"
 SYMBOL = "MeshserveGroupedDot"
 TABLE_TARGET = "meshserve_table_dot"
 TABLE_SYMBOL = "MeshserveTableDot"
+PACKED_TARGET = "meshserve_packed_dot"
+PACKED_SYMBOL = "MeshservePackedDot"
 _active = contextvars.ContextVar("meshserve_native_dot", default=False)
+# The most rows of x a layer kernel takes natively: beyond, XLA's dot of the dequantized layer
+# (on its own threads, blocked for many rows) is as fast or faster (prefill chunks, large
+# decode batches): `scripts/quantized_dot_ffi/bench.py`, docs/benchmarks.md#native-kernels.
+MAX_ROWS = 16
 
 
 class NativeUnavailable(ValueError):
     """The native kernel cannot be built or loaded here; the message says why."""
+
+
+def resolve(requested: bool | None, *, num_devices: int = 1) -> bool:
+    """Whether an engine runs native kernels. Asked for (True), they are refused with the
+    reason where they cannot run; unset (None, the default), they run wherever they can: JAX's
+    backend is the CPU, the model is on one device, and the kernels build here (a C++ compiler;
+    a failed build is logged once and the engine runs without them)."""
+    if requested is False:
+        return False
+    if requested is None and (jax.default_backend() != "cpu" or num_devices != 1):
+        return False
+    if requested and num_devices != 1:
+        raise NativeUnavailable(f"native kernels run on one CPU device, not {num_devices}")
+    if requested and jax.default_backend() != "cpu":
+        raise NativeUnavailable(f"native kernels run on the CPU; the default backend is "
+                                f"{jax.default_backend()}")
+    reason = _unavailable()
+    if reason is not None:
+        if requested:
+            raise NativeUnavailable(reason)
+        return False
+    return True
+
+
+@functools.cache
+def _unavailable() -> str | None:
+    """Why the kernels cannot be built and registered here, once per process; None if they
+    can."""
+    try:
+        ensure_registered()
+    except NativeUnavailable as err:
+        logging.getLogger(__name__).warning("native kernels are off: %s", err)
+        return str(err)
+    return None
 
 
 @contextlib.contextmanager
@@ -69,21 +116,49 @@ def active() -> bool:
     return _active.get()
 
 
+def matmul(spec: str, x: jax.Array, q: QuantizedArray) -> jax.Array | None:
+    """`quantized_matmul(spec, x, q)` through a native kernel, or None where none serves it
+    (a format it does not read, or more than `MAX_ROWS` rows).
+    A kernel of several contracted or output axes (attention's q [D, H, hd], o [H, hd, D]) is
+    the matrix of its contracted axes merged against its output axes merged: its codes, scales
+    and mins are laid out so already (groups run along the last contracted axis, which a group
+    never crosses), so only their shapes change."""
+    fmt = q.format
+    n = fmt.num_contracted
+    inputs, out = spec.split("->")
+    lhs, rhs = inputs.split(",")
+    if (out != lhs[:len(lhs) - n] + rhs[n:] or fmt.group is None
+            or q.values.ndim != n + fmt.num_out):
+        return None
+    matrix = lambda a: a.reshape(math.prod(a.shape[:n]), -1)  # noqa: E731
+    two = QuantizedArray(values=matrix(q.values), scales=matrix(q.scales),
+                         mins=None if q.mins is None else matrix(q.mins),
+                         format=dataclasses.replace(fmt, num_contracted=1, num_out=1))
+    lead = x.shape[:x.ndim - n]
+    rows = x.reshape(*lead, math.prod(x.shape[x.ndim - n:]))
+    if math.prod(lead) > MAX_ROWS or not serves(rows, two):
+        return None
+    return grouped_dot(rows, two).reshape(*lead, *q.shape[n:])
+
+
 def serves(x: jax.Array, q: QuantizedArray) -> bool:
-    """Whether the kernel computes `x [..., K] . q [K, N]`: int8 codes in groups, one
-    contracted and one output axis, float32 activations."""
-    return _served(x, q, num_out=1)
+    """Whether a kernel computes `x [..., K] . q [K, N]`: codes in groups (int8, or packed in
+    4, 5 or 6 bits), one contracted and one output axis, float32 activations."""
+    return _served(x, q, num_out=1, bits=(4, 5, 6, 8))
 
 
 def grouped_dot(x: jax.Array, q: QuantizedArray) -> jax.Array:
     """`x [..., K] . dequantized q [K, N]` -> [..., N] through the native kernel."""
-    return _call(TARGET, x, q, q.values.shape[1])
+    if q.format.bits == 8:
+        return _call(TARGET, x, q, q.values.shape[1])
+    return _call(PACKED_TARGET, x, q, q.values.shape[1], bits=np.int64(q.format.bits),
+                 offset=np.int64(q.format.offset))
 
 
 def serves_table(x: jax.Array, table: QuantizedArray) -> bool:
     """Whether the table kernel computes `x [..., D] . table [V, D]^T`: int8 codes in groups
     along D (the vocabulary a stack axis), float32 activations."""
-    return _served(x, table, num_out=0)
+    return _served(x, table, num_out=0, bits=(8,))
 
 
 def table_dot(x: jax.Array, table: QuantizedArray) -> jax.Array:
@@ -91,20 +166,20 @@ def table_dot(x: jax.Array, table: QuantizedArray) -> jax.Array:
     return _call(TABLE_TARGET, x, table, table.values.shape[0])
 
 
-def _served(x: jax.Array, q: QuantizedArray, *, num_out: int) -> bool:
+def _served(x: jax.Array, q: QuantizedArray, *, num_out: int, bits: tuple[int, ...]) -> bool:
     fmt = q.format
-    return (fmt.bits == 8 and fmt.group is not None and fmt.num_contracted == 1
+    return (fmt.bits in bits and fmt.group is not None and fmt.num_contracted == 1
             and fmt.num_out == num_out and q.values.ndim == 2 and x.dtype == jnp.float32)
 
 
-def _call(target: str, x: jax.Array, q: QuantizedArray, width: int) -> jax.Array:
+def _call(target: str, x: jax.Array, q: QuantizedArray, width: int, **attributes) -> jax.Array:
     """`target` on x's rows, q's codes and its scales and mins in float32 (no mins: an empty
     array) -> [..., width]."""
     rows = x.reshape(-1, x.shape[-1])
     out = jax.ShapeDtypeStruct((rows.shape[0], width), jnp.float32)
     mins = q.mins if q.mins is not None else jnp.zeros((0, 0), jnp.float32)
     y = jax.ffi.ffi_call(target, out)(rows, q.values, q.scales.astype(jnp.float32),
-                                      mins.astype(jnp.float32))
+                                      mins.astype(jnp.float32), **attributes)
     return y.reshape(*x.shape[:-1], width)
 
 
@@ -112,7 +187,8 @@ def _call(target: str, x: jax.Array, q: QuantizedArray, width: int) -> jax.Array
 def ensure_registered() -> None:
     """Builds (once per cache) and registers the kernel with XLA (once per process)."""
     library = ctypes.cdll.LoadLibrary(str(build()))
-    for target, symbol in ((TARGET, SYMBOL), (TABLE_TARGET, TABLE_SYMBOL)):
+    for target, symbol in ((TARGET, SYMBOL), (TABLE_TARGET, TABLE_SYMBOL),
+                           (PACKED_TARGET, PACKED_SYMBOL)):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
                                     platform="cpu")
 

@@ -11,8 +11,16 @@ stack's expert axis):
     bits 4   codes  uint8  [*c[:-1], c[-1] / 2, *out]  two codes a byte: in each group, code j
                                                        in the low nibble, code j + group / 2 in
                                                        the high one (GGUF's order in a Q4 block)
+    bits 5, 6  codes uint8 [*c[:-1], c[-1] / 32 * U, *out]  per unit of 32 codes, U = 20 or 24
+                                                       rows: 16 of nibbles (code j low, j + 16
+                                                       high), then the codes' top bits (5: byte
+                                                       i bit t is code 8 i + t's; 6: bits 2t..2t+1
+                                                       of byte i are code 4 i + t's)
     grouped  scales, mins  [*c[:-1], c[-1] / group, *out]
     per-channel  scales    [*out]
+
+Codes of 5 and 6 bits are stored plus `offset` (GGUF's Q5_0 and Q6_K codes are signed, -16..15
+and -32..31), so that a kernel keeps a Q5/Q6 block's codes in the bits the file spends on them.
 
 A `QuantizedArray` holds the arrays of one kernel (numpy on the host, jax arrays on devices) and
 its `QuantFormat`. The model code reads them through `meshserve.model.quantized_kernel`; the loaders
@@ -21,7 +29,8 @@ build them from float weights (`quantize`) or straight from GGUF blocks.
 `SCHEMES` are the user's choices (`EngineConfig.quantization`): what float kernels become, and
 which bit widths a GGUF's blocks are kept in (`KernelPlan`). "auto" keeps a GGUF's quantized
 blocks exactly and leaves float weights float; the container depends on the platform
-(`auto_keep_bits`): int8 on the CPU, elsewhere int4 where the codes fit 4 bits, else int8.
+(`auto_keep_bits`): int8 on the CPU without native kernels, elsewhere the fewest bits of 4, 5, 6
+and 8 that hold the codes.
 
 This module imports neither jax nor flax.
 """
@@ -37,13 +46,14 @@ SCHEMES = ("none", "auto", "int8", "int4", "int4-g64")
 SCALE_DTYPES = ("float32", "float16")
 INT8_MAX = 127
 INT4_LEVELS = 15
+PACK_UNIT = 32  # codes a unit of a 5- or 6-bit kernel packs along the contracted axis
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantFormat:
     """How one kernel is stored. `num_contracted` and `num_out` count the kernel's contracted and
     output axes (stack axes in front, a layer's or an expert's, are neither); `group` is None for
-    per-channel scales."""
+    per-channel scales. A code is its stored value minus `offset` (5 and 6 bits only)."""
 
     bits: int
     group: int | None
@@ -51,17 +61,30 @@ class QuantFormat:
     num_out: int
     has_mins: bool
     scale_dtype: str = "float32"
+    offset: int = 0
 
     def __post_init__(self):
-        assert self.bits in (4, 8), self.bits
+        assert self.bits in (4, 5, 6, 8), self.bits
         assert self.scale_dtype in SCALE_DTYPES, self.scale_dtype
         assert self.group is not None or (self.bits == 8 and not self.has_mins), \
             "per-channel scales are for symmetric int8"
         assert self.group is None or self.group % 2 == 0, self.group
+        assert self.offset == 0 or self.is_packed, "only 5- and 6-bit codes are offset"
+        assert not self.is_packed or PACK_UNIT % self.group == 0, self.group
 
     @property
     def code_dtype(self) -> Any:
         return np.int8 if self.bits == 8 else np.uint8
+
+    @property
+    def is_packed(self) -> bool:
+        """Whether codes are 5 or 6 bits, packed in units of `PACK_UNIT` (`pack_codes`)."""
+        return self.bits in (5, 6)
+
+    @property
+    def unit_rows(self) -> int:
+        """Bytes a unit of 32 packed codes takes along the contracted axis (5 bits: 20)."""
+        return PACK_UNIT // 2 + PACK_UNIT * (self.bits - 4) // 8
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -84,8 +107,11 @@ class QuantizedArray:
     def shape(self) -> tuple[int, ...]:
         """The shape of the float kernel it stands for."""
         shape = list(self.values.shape)
+        axis = last_contracted_axis(self.format)
         if self.format.bits == 4:
-            shape[last_contracted_axis(self.format)] *= 2
+            shape[axis] *= 2
+        elif self.format.is_packed:
+            shape[axis] = shape[axis] // self.format.unit_rows * PACK_UNIT
         return tuple(shape)
 
     def arrays(self) -> dict[str, Any]:
@@ -110,7 +136,9 @@ def stored_shapes(fmt: QuantFormat, shape: tuple[int, ...]) -> dict[str, tuple[i
     """The shape of each array of a kernel of float shape `shape` stored in `fmt`."""
     shape = tuple(shape)
     axis = len(shape) + last_contracted_axis(fmt)
-    values = shape if fmt.bits == 8 else shape[:axis] + (shape[axis] // 2,) + shape[axis + 1:]
+    rows = {8: shape[axis], 4: shape[axis] // 2}.get(
+        fmt.bits, shape[axis] // PACK_UNIT * fmt.unit_rows)
+    values = shape[:axis] + (rows,) + shape[axis + 1:]
     if fmt.group is None:
         scales = shape[:axis + 1 - fmt.num_contracted] + shape[axis + 1:]
     else:
@@ -122,7 +150,7 @@ def stored_shapes(fmt: QuantFormat, shape: tuple[int, ...]) -> dict[str, tuple[i
 
 
 def stored_dtypes(fmt: QuantFormat) -> dict[str, str]:
-    named = {"values": "int8" if fmt.bits == 8 else "uint8", "scales": fmt.scale_dtype}
+    named = {"values": np.dtype(fmt.code_dtype).name, "scales": fmt.scale_dtype}
     if fmt.has_mins:
         named["mins"] = fmt.scale_dtype
     return named
@@ -137,7 +165,8 @@ def last_contracted_axis(fmt: QuantFormat) -> int:
 @dataclasses.dataclass(frozen=True)
 class KernelPlan:
     """What loading does with one kernel: its GGUF blocks are kept in the first of `keep_bits`
-    their codes fit; otherwise its float weights become `fmt` (None: they stay float)."""
+    their codes fit (a stack of layers in the first that fits every layer's codes); otherwise
+    its float weights become `fmt` (None: they stay float)."""
 
     fmt: QuantFormat | None
     keep_bits: tuple[int, ...]
@@ -145,21 +174,22 @@ class KernelPlan:
     num_out: int
 
 
-def auto_keep_bits(platform: str) -> tuple[int, ...]:
+def auto_keep_bits(platform: str, *, native: bool = False) -> tuple[int, ...]:
     """The bit widths "auto" keeps a GGUF's blocks in on `platform` ("cpu", "gpu", "tpu"), the
-    first that fits. On the CPU, int8 containers: XLA:CPU streams int8 codes into its dot faster
-    than it unpacks int4's nibbles (docs/benchmarks.md), and a 4-bit code is held exactly in 8
-    bits, so the function is the same. Elsewhere int4, for its bytes."""
-    return (8,) if platform == "cpu" else (4, 8)
+    first that fits. On the CPU without native kernels, int8 containers: XLA:CPU streams int8
+    codes into its dot faster than it unpacks int4's nibbles (docs/benchmarks.md), and a 4-bit
+    code is held exactly in 8 bits, so the function is the same. With native kernels (which
+    read packed codes themselves) and elsewhere, the file's own widths, for their bytes."""
+    return (8,) if platform == "cpu" and not native else (4, 5, 6, 8)
 
 
 def scheme_plan(scheme: str, num_contracted: int, num_out: int, *,
-                platform: str) -> KernelPlan | None:
+                platform: str, native: bool = False) -> KernelPlan | None:
     """The plan of `scheme` for one kernel on `platform`; None for "none"."""
     fmt = scheme_format(scheme, num_contracted, num_out)
     if scheme == "none":
         return None
-    keep = auto_keep_bits(platform) if scheme == "auto" else (fmt.bits,)
+    keep = auto_keep_bits(platform, native=native) if scheme == "auto" else (fmt.bits,)
     return KernelPlan(fmt=fmt, keep_bits=keep, num_contracted=num_contracted, num_out=num_out)
 
 
@@ -186,6 +216,7 @@ def check_groups(fmt: QuantFormat, shape: tuple[int, ...], name: str) -> None:
     """Raises ValueError when `fmt` cannot hold a kernel of `shape`."""
     length = shape[last_contracted_axis(fmt)]
     step = fmt.group if fmt.group is not None else (2 if fmt.bits == 4 else 1)
+    step = PACK_UNIT if fmt.is_packed else step
     if length % step:
         raise ValueError(f"{name}: its contracted axis of {length} does not divide into groups "
                          f"of {step}; quantize it with another scheme or leave it unquantized")
@@ -218,9 +249,12 @@ def quantize(kernel: Any, fmt: QuantFormat, xp: Any = np) -> QuantizedArray:
 def from_codes(codes: Any, scales: Any, mins: Any, fmt: QuantFormat, xp: Any = np
                ) -> QuantizedArray:
     """A `QuantizedArray` from codes in the grouped layout of `_grouped` (one code an element),
-    or per channel in the kernel's own shape, packing two int4 codes a byte."""
+    or per channel in the kernel's own shape, packing two int4 codes a byte, and 5 or 6 bits a
+    code in units of 32 (`pack_codes`)."""
     if fmt.group is None:
         values = codes.astype(fmt.code_dtype)
+    elif fmt.is_packed:
+        values = pack_codes(xp, _ungrouped(codes, fmt), fmt)
     else:
         values = _packed(xp, codes, fmt) if fmt.bits == 4 else codes.astype(fmt.code_dtype)
         values = _ungrouped(values, fmt)
@@ -248,6 +282,8 @@ def unpacked_codes(q: QuantizedArray, xp: Any = np) -> Any:
     fmt = q.format
     if fmt.group is None:
         return q.values
+    if fmt.is_packed:
+        return _grouped(unpack_codes(xp, q.values, fmt), fmt)
     grouped = _grouped(q.values, fmt, width=fmt.group // 2 if fmt.bits == 4 else fmt.group)
     if fmt.bits == 8:
         return grouped
@@ -302,3 +338,48 @@ def _packed(xp: Any, codes: Any, fmt: QuantFormat) -> Any:
     axis = codes.ndim + last_contracted_axis(fmt)
     low, high = xp.split(codes.astype(np.uint8), 2, axis=axis)
     return low | (high << 4)
+
+
+def pack_codes(xp: Any, codes: Any, fmt: QuantFormat) -> Any:
+    """5- or 6-bit codes `[..., K, *out]` (one code an element, signed as `fmt.offset` says) ->
+    bytes `[..., K / 32 * U, *out]`: per unit of 32 codes, 16 rows of nibbles (code j in the
+    low nibble, j + 16 in the high one), then the top bits, 8 codes a byte (5 bits) or 4 (6)."""
+    axis = codes.ndim + last_contracted_axis(fmt)
+    stored = (codes + fmt.offset).astype(np.uint8)
+    units = _split(stored, axis, PACK_UNIT)  # [..., K / 32, 32, *out]
+    first, second = xp.split(units, 2, axis=axis + 1)
+    nibbles = (first & 15) | ((second & 15) << 4)
+    width = fmt.bits - 4  # top bits per code
+    per_byte = 8 // width
+    top = _split(units >> 4, axis + 1, per_byte)  # [..., K / 32, 32 / per_byte, per_byte, *out]
+    shifts = (np.arange(per_byte, dtype=np.uint8) * width).reshape(
+        (per_byte,) + (1,) * fmt.num_out)
+    high = (top << shifts).sum(axis=axis + 2, dtype=np.uint8)
+    packed = xp.concatenate([nibbles, high], axis=axis + 1)  # [..., K / 32, U, *out]
+    return _merged(packed, axis)
+
+
+def unpack_codes(xp: Any, values: Any, fmt: QuantFormat) -> Any:
+    """`pack_codes` undone: bytes `[..., K / 32 * U, *out]` -> codes `[..., K, *out]` (int16)."""
+    axis = values.ndim + last_contracted_axis(fmt)
+    units = _split(values, axis, fmt.unit_rows)  # [..., K / 32, U, *out]
+    nibbles, high = xp.split(units, [PACK_UNIT // 2], axis=axis + 1)
+    low = xp.concatenate([nibbles & 15, nibbles >> 4], axis=axis + 1)  # [..., K / 32, 32, *out]
+    width = fmt.bits - 4
+    per_byte = 8 // width
+    shifts = (np.arange(per_byte, dtype=np.uint8) * width).reshape(
+        (per_byte,) + (1,) * fmt.num_out)
+    top = (xp.expand_dims(high, axis + 2) >> shifts) & ((1 << width) - 1)
+    top = _merged(top, axis + 1)  # [..., K / 32, 32, *out]
+    codes = low.astype(np.int16) | (top.astype(np.int16) << 4)
+    return _merged(codes - fmt.offset, axis)
+
+
+def _split(a: Any, axis: int, width: int) -> Any:
+    """Axis `axis` of `a` split into `(n, width)`."""
+    return a.reshape(a.shape[:axis] + (a.shape[axis] // width, width) + a.shape[axis + 1:])
+
+
+def _merged(a: Any, axis: int) -> Any:
+    """Axes `axis` and `axis + 1` of `a` merged into one."""
+    return a.reshape(a.shape[:axis] + (a.shape[axis] * a.shape[axis + 1],) + a.shape[axis + 2:])

@@ -13,6 +13,7 @@ and codes become values right before the dot, in the layer scan, one layer's ker
 - int8: the layer's whole kernel is dequantized (per-channel scales multiply the dot's output
   instead) and runs as one dot. XLA:CPU writes that one layer's values to a buffer, in cache,
   before its dot; on GPUs XLA fuses the conversion into the dot.
+- 5 and 6 bits: the layer's kernel is unpacked and dequantized, then one dot, as int8.
 - int4: the sum runs in two halves of each group, the low nibbles (codes 0..group/2 - 1) and the
   high ones, so a kernel is unpacked with a mask and a shift, never a shuffle, and no buffer
   ever holds more than half of a layer's kernel in float (XLA:CPU runs the two halves' dots on
@@ -23,8 +24,8 @@ compiled HLO to hold both layouts.
 On devices a `QuantizedArray` is a pytree (its arrays the leaves, its format static), so a
 stack of them can pass through `jax.shard_map` and be sliced like an array.
 
-With `native_kernels` on (one CPU device), a grouped int8 kernel runs through a native kernel
-instead, which reads each code once (`meshserve.model.native_dot`).
+With `native_kernels` on (one CPU device), a grouped kernel (int8, or packed in 4, 5 or 6 bits)
+runs through a native kernel instead, which reads each code once (`meshserve.model.native_dot`).
 
 Which kernels of a model are quantized, and turning them so, is `meshserve.model.quantized_weights`.
 """
@@ -38,7 +39,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshserve.model import native_dot
-from meshserve.model.quant_formats import QuantFormat, QuantizedArray, last_contracted_axis
+from meshserve.model.quant_formats import (QuantFormat, QuantizedArray, dequantize,
+                                           last_contracted_axis)
 
 jax.tree_util.register_dataclass(QuantizedArray, data_fields=["values", "scales", "mins"],
                                  meta_fields=["format"])
@@ -73,12 +75,14 @@ def _per_channel_axes(axes: tuple, fmt: QuantFormat) -> tuple:
 def quantized_matmul(spec: str, x: jax.Array, kernel: QuantizedKernel | QuantizedArray
                      ) -> jax.Array:
     """`jnp.einsum(spec, x, dequantized kernel)`, for a spec whose contracted axes end `x` and
-    begin the kernel (every `Dense` of the model, and one expert of a stack): one dot for int8,
-    two for int4."""
+    begin the kernel (every `Dense` of the model, and one expert of a stack): one dot for int8
+    (and 5 or 6 bits), two for int4."""
     q = kernel.array() if isinstance(kernel, QuantizedKernel) else kernel
-    if native_dot.active() and native_dot.serves(x, q):  # opt-in: `native_kernels`
+    if native_dot.active():  # `native_kernels`
         with jax.named_scope(f"quantized {spec} (native)"):
-            return native_dot.grouped_dot(x, q)
+            y = native_dot.matmul(spec, x, q)
+        if y is not None:
+            return y
     fmt = q.format
     inputs, out = spec.split("->")
     lhs, rhs = inputs.split(",")
@@ -89,6 +93,9 @@ def quantized_matmul(spec: str, x: jax.Array, kernel: QuantizedKernel | Quantize
     with jax.named_scope(f"quantized {spec}"):
         if fmt.bits == 8:
             y = jnp.einsum(flat, _flat_lhs(x, n), _flat_rhs(_dequantized(q, x.dtype), n))
+        elif fmt.is_packed:
+            w = dequantize(q, xp=jnp).astype(x.dtype)
+            y = jnp.einsum(flat, _flat_lhs(x, n), _flat_rhs(w, n))
         else:
             y = sum(jnp.einsum(flat, _flat_lhs(xh, n + 1), _flat_rhs(wh, n + 1))
                     for xh, wh in zip(_split_x(x, fmt), _dequantized_halves(q, x.dtype)))

@@ -43,7 +43,7 @@ def table_rows(table: QuantizedArray, ids: jax.Array, dtype) -> jax.Array:
 
 def table_logits(x: jax.Array, table: QuantizedArray) -> jax.Array:
     """`x [..., D] . table [V, D]^T` -> [..., V], reading the table from its codes."""
-    if native_dot.active() and native_dot.serves_table(x, table):  # opt-in: `native_kernels`
+    if native_dot.active() and native_dot.serves_table(x, table):  # `native_kernels`
         with jax.named_scope("quantized table logits (native)"):
             return native_dot.table_dot(x, table)
     lead, d = x.shape[:-1], x.shape[-1]

@@ -136,8 +136,9 @@ def file_block_plans(model: nnx.Module, scheme: str, platform: str, *, native: b
     load instead: XLA:CPU converts every code of it every step before its product, which costs
     more than reading float32 (docs/models.md#quantized-weights: SmolLM2 and Gemma 3 270M decode
     slower with their kept tables), so there only a table that is just gathered is kept, unless
-    `native` (native kernels, `meshserve.model.native_dot`, read the codes themselves)."""
-    keep = (auto_keep_bits(platform) if scheme == "auto"
+    `native` (native kernels, `meshserve.model.native_dot`, read the codes themselves); on the
+    CPU a table is kept in 8 bits, which the native head reads."""
+    keep = (auto_keep_bits(platform) if scheme == "auto"  # on the CPU, 8 bits: the native head's
             else (4, 8) if scheme.startswith("int4") else (8,))
     read_by_head = {"lm_head/kernel", "embed/embedding" if not head_kernels(model) else None}
     return {key: KernelPlan(fmt=None, keep_bits=keep, num_contracted=n, num_out=out)

@@ -29,8 +29,7 @@ import numpy as np
 from meshserve.model.canonical import (Checkpoint, CheckpointLayout, Conversion, check_finite,
                                        expected_shapes, numpy_dtype)
 from meshserve.model.config import ModelConfig
-from meshserve.model.loading.gguf_blocks import (CanonicalLayout, common_format, kernel_format,
-                                                regrouped)
+from meshserve.model.loading.gguf_blocks import CanonicalLayout, kept_format, regrouped
 from meshserve.model.quant_formats import KernelPlan, QuantFormat, QuantizedArray, quantize
 
 MAX_LISTED_NAMES = 5
@@ -83,7 +82,8 @@ def assemble(
     for key, key_slots in itertools.groupby(slots, key=lambda slot: slot.key):
         key_slots = list(key_slots)
         plan = kernel_plans.get(key)
-        array = None if plan is None else assemble_quantized(key_slots, checkpoint, plan)
+        array = (None if plan is None
+                 else assemble_quantized(key_slots, checkpoint, plan, shapes[key]))
         if array is None:
             array = _read_float(key, key_slots, checkpoint, shapes[key], dtype)
         check_finite(key, array)
@@ -110,15 +110,16 @@ def _read_float(key: str, slots: list[Slot], checkpoint: Checkpoint, shape: tupl
     return array
 
 
-def assemble_quantized(slots: list[Slot], checkpoint: Checkpoint, plan: KernelPlan
-                       ) -> QuantizedArray | None:
-    """One kernel (every layer of it) as a `QuantizedArray`: kept in the file's own blocks when
-    every layer's block type fits one of the plan's bit widths (GGUF; layers of different block
-    types share one format that holds each exactly, `common_format`), else
+def assemble_quantized(slots: list[Slot], checkpoint: Checkpoint, plan: KernelPlan,
+                       shape: tuple[int, ...]) -> QuantizedArray | None:
+    """One kernel (every layer of it, of float shape `shape`) as a `QuantizedArray`: kept in the
+    file's own blocks when every layer's block type fits one of the plan's bit widths (GGUF;
+    layers of different block types share one format that holds each exactly, `kept_format`),
+    else
     quantized to the plan's format from its float weights, one layer at a time (so too a
     kernel whose blocks do not line up with its groups); None when the plan leaves float weights
     float."""
-    kept = _kept_format(slots, checkpoint, plan)
+    kept = _kept_format(slots, checkpoint, plan, shape)
     layout = None if kept is None else _layout(slots[0], kept)
     if layout is not None:
         layers = [layout.quantized(regrouped(checkpoint.read_blocks(slot.source), kept))
@@ -146,19 +147,15 @@ def _layout(slot: Slot, fmt: QuantFormat) -> CanonicalLayout | None:
         return None
 
 
-def _kept_format(slots: list[Slot], checkpoint: Checkpoint, plan: KernelPlan
-                 ) -> QuantFormat | None:
+def _kept_format(slots: list[Slot], checkpoint: Checkpoint, plan: KernelPlan,
+                 shape: tuple[int, ...]) -> QuantFormat | None:
     """The format the slots' own blocks keep, in the first of the plan's bit widths where every
     layer's blocks fit."""
     qtype = getattr(checkpoint, "qtype", None)
     if qtype is None:
         return None
-    for bits in plan.keep_bits:
-        kept = [kernel_format(qtype(slot.source), bits, plan.num_contracted, plan.num_out)
-                for slot in slots]
-        if None not in kept:
-            return common_format(kept)
-    return None
+    return kept_format([qtype(slot.source) for slot in slots], plan.keep_bits,
+                       plan.num_contracted, plan.num_out, shape[-(plan.num_out + 1)])
 
 
 def require_sources(slots: list[Slot], checkpoint: Checkpoint) -> None:

@@ -18,14 +18,15 @@ exactly as `gguf.quants` computes them):
     Q5_K   0..31        32     d * sc (f32)   -dmin * m (f32)
     Q6_K   -32..31      16     d * sc (f32)   -
 
-A tensor whose codes fit the chosen bit width (`fits`) becomes a `QuantizedArray` with the same
-codes, scales and mins (`CanonicalLayout.quantized`), moved into the canonical kernel layout by
-the same index permutation as its float weights (an expert stack `[E, out, in]` becomes
-`[E, in, out]`, its blocks with it): so it computes exactly what the float path computes from
-the dequantized file. The layers of one stacked kernel may be of different types (Q4_K_M files
-mix Q4_K and Q6_K in `ffn_down`, and in `ffn_down_exps`): `common_format` gives one format that
-holds each exactly, and `regrouped` re-expresses a layer's blocks in it (scales repeated over a
-finer group, zero mins). Other types (Q2_K, Q3_K, the IQ types) are not read here; the loader
+A tensor whose codes fit one of the plan's bit widths (`kept_format`: Q8_0 in 8 bits, Q4 types
+in 4, Q5 in 5, Q6_K in 6, or all in 8 where the platform keeps int8) becomes a `QuantizedArray`
+with the same codes, scales and mins (`CanonicalLayout.quantized`), moved into the canonical
+kernel layout by the same index permutation as its float weights (an expert stack
+`[E, out, in]` becomes `[E, in, out]`, its blocks with it): so it computes exactly what the
+float path computes from the dequantized file. The layers of one stacked kernel may be of
+different types (Q4_K_M files mix Q4_K and Q6_K in `ffn_down`, and in `ffn_down_exps`):
+`kept_format` gives one format that holds each exactly, and `regrouped` re-expresses a layer's
+blocks in it (scales repeated over a finer group, zero mins). Other types (Q2_K, Q3_K, the IQ types) are not read here; the loader
 dequantizes them and quantizes the floats instead.
 
 This module imports neither jax nor flax.
@@ -40,7 +41,7 @@ from typing import Callable, Sequence
 import gguf
 import numpy as np
 
-from meshserve.model.quant_formats import QuantFormat, QuantizedArray, from_codes
+from meshserve.model.quant_formats import PACK_UNIT, QuantFormat, QuantizedArray, from_codes
 
 _GGML = gguf.GGMLQuantizationType
 QK_K = 256
@@ -62,11 +63,8 @@ class BlockType:
     group: int
     code_range: tuple[int, int]
     decode: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray | None]]
-
-    def fits(self, bits: int) -> bool:
-        """Whether its codes fit the codes of a `bits`-bit kernel (int4 codes are unsigned)."""
-        low, high = self.code_range
-        return (-128 <= low and high <= 127) if bits == 8 else (0 <= low and high <= 15)
+    has_mins: bool = False
+    scale_dtype: str = "float16"  # float32 where a K-quant's scale is a product of two fields
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -150,13 +148,13 @@ def _q6_k(b):
 
 BLOCK_TYPES: dict[_GGML, BlockType] = {
     _GGML.Q8_0: BlockType(32, (-128, 127), _q8_0),
-    _GGML.Q4_0: BlockType(32, (0, 15), _q4_0),
-    _GGML.Q4_1: BlockType(32, (0, 15), _q4_1),
+    _GGML.Q4_0: BlockType(32, (0, 15), _q4_0, has_mins=True),
+    _GGML.Q4_1: BlockType(32, (0, 15), _q4_1, has_mins=True),
     _GGML.Q5_0: BlockType(32, (-16, 15), _q5_0),
-    _GGML.Q5_1: BlockType(32, (0, 31), _q5_1),
-    _GGML.Q4_K: BlockType(32, (0, 15), _q4_k),
-    _GGML.Q5_K: BlockType(32, (0, 31), _q5_k),
-    _GGML.Q6_K: BlockType(16, (-32, 31), _q6_k),
+    _GGML.Q5_1: BlockType(32, (0, 31), _q5_1, has_mins=True),
+    _GGML.Q4_K: BlockType(32, (0, 15), _q4_k, has_mins=True, scale_dtype="float32"),
+    _GGML.Q5_K: BlockType(32, (0, 31), _q5_k, has_mins=True, scale_dtype="float32"),
+    _GGML.Q6_K: BlockType(16, (-32, 31), _q6_k, scale_dtype="float32"),
 }
 
 
@@ -174,32 +172,40 @@ def decode_blocks(raw: np.ndarray, qtype: _GGML, shape: tuple[int, ...]) -> Bloc
                   mins=None if mins is None else mins.reshape(groups), group=group)
 
 
-def kernel_format(qtype: _GGML, bits: int, num_contracted: int, num_out: int
-                  ) -> QuantFormat | None:
-    """The format a tensor of `qtype` keeps in a `bits`-bit kernel, or None when its codes do
-    not fit."""
-    kind = BLOCK_TYPES.get(qtype)
-    if kind is None or not kind.fits(bits):
+def kept_format(qtypes: Sequence[_GGML], keep_bits: Sequence[int], num_contracted: int,
+                num_out: int, length: int) -> QuantFormat | None:
+    """The format that keeps the blocks of tensors of `qtypes` (one a layer of a stacked kernel,
+    which a Q4_K_M file mixes: Q4_K with Q6_K in `ffn_down`) exactly, in the first of
+    `keep_bits` that holds every layer's codes; None when none does, or a block type is not
+    read here. `length` is the kernel's last contracted axis (5 and 6 bits pack units of 32
+    along it). Layers of different types share the finest group (block groups are 16 or 32, so
+    it divides the others), mins when any has them, float32 scales when any needs them (float16
+    values are exact in float32), and the codes' union range."""
+    kinds = [BLOCK_TYPES.get(qtype) for qtype in qtypes]
+    if not kinds or None in kinds:
         return None
-    has_mins = qtype in (_GGML.Q4_0, _GGML.Q4_1, _GGML.Q5_1, _GGML.Q4_K, _GGML.Q5_K)
-    scale_dtype = "float32" if qtype in (_GGML.Q4_K, _GGML.Q5_K, _GGML.Q6_K) else "float16"
-    return QuantFormat(bits=bits, group=kind.group, num_contracted=num_contracted,
-                       num_out=num_out, has_mins=has_mins, scale_dtype=scale_dtype)
+    low = min(kind.code_range[0] for kind in kinds)
+    high = max(kind.code_range[1] for kind in kinds)
+    for bits in keep_bits:
+        offset = code_offset(low, high, bits)
+        if offset is None or (bits in (5, 6) and length % PACK_UNIT):
+            continue
+        return QuantFormat(bits=bits, group=math.gcd(*(kind.group for kind in kinds)),
+                           num_contracted=num_contracted, num_out=num_out,
+                           has_mins=any(kind.has_mins for kind in kinds),
+                           scale_dtype="float32" if any(kind.scale_dtype == "float32"
+                                                        for kind in kinds) else "float16",
+                           offset=offset)
+    return None
 
 
-def common_format(formats: Sequence[QuantFormat]) -> QuantFormat:
-    """One format that holds the blocks of every format in `formats` exactly (a stacked kernel
-    whose layers a file stores in different block types, as Q4_K_M files do): the finest group
-    (block groups are 16 or 32 weights, so it divides the others), mins when any layer has
-    them, float32 scales when any layer needs them (float16 values are exact in float32)."""
-    first = formats[0]
-    if all(fmt == first for fmt in formats):
-        return first
-    return dataclasses.replace(
-        first, group=math.gcd(*(fmt.group for fmt in formats)),
-        has_mins=any(fmt.has_mins for fmt in formats),
-        scale_dtype="float32" if any(fmt.scale_dtype == "float32" for fmt in formats)
-        else "float16")
+def code_offset(low: int, high: int, bits: int) -> int | None:
+    """What a `bits`-bit kernel adds to codes `low..high` to store them (int8 codes are signed,
+    int4 unsigned, 5- and 6-bit ones shifted up to 0); None when they do not fit."""
+    if bits == 8:
+        return 0 if -128 <= low and high <= 127 else None
+    offset = 0 if bits == 4 else max(0, -low)
+    return offset if low + offset >= 0 and high + offset < 1 << bits else None
 
 
 def regrouped(blocks: Blocks, fmt: QuantFormat) -> Blocks:

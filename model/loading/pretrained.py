@@ -124,7 +124,7 @@ def scheme_plans(scheme: str, platform: str | None = None, *, native: bool = Fal
     def plans(config: ModelConfig) -> dict[str, KernelPlan]:
         model = abstract_model(config)
         kernel_formats(model, scheme)  # checks that the float kernels divide into groups
-        return {**{key: scheme_plan(scheme, n, out, platform=platform)
+        return {**{key: scheme_plan(scheme, n, out, platform=platform, native=native)
                    for key, (_, n, out) in quantizable_kernels(model).items()},
                 **file_block_plans(model, scheme, platform, native=native)}
 

@@ -10,13 +10,15 @@ checks it against `quantized_matmul` on random codes, then times a scan over
 30 layers of SmolLM2's MLP shapes (gate and up 576 x 1536, down 1536 x 576; int8 codes in groups
 of 32 with float32 scales and mins, as its Q4_1 blocks are kept on the CPU) three ways: float32
 weights, meshserve's `quantized_matmul` (each layer's codes dequantized, then one dot), and the
-FFI kernel (one thread). CPU and wall ms, minimum over the repeats, interleaved. With
+FFI kernels (on XLA's intra-op threads) over the codes in int8 containers and packed two a byte
+as the file stores them. CPU and wall ms, minimum over the repeats, interleaved. With
 `--output`, the JSON is stamped with the source's commit (`meshserve.serving.bench.result_files`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -31,18 +33,21 @@ from meshserve.serving.bench import bench, result_files
 
 LAYERS, D, F, GROUP = 30, 576, 1536, 32
 FORMAT = QuantFormat(bits=8, group=GROUP, num_contracted=1, num_out=1, has_mins=True)
+PACKED = dataclasses.replace(FORMAT, bits=4, scale_dtype="float16")  # Q4_1 as a file keeps it
 
 
 def ffi_dot(x: jax.Array, q: QuantizedArray) -> jax.Array:
     return native_dot.grouped_dot(x, q)
 
 
-def kernels(rng, k: int, n: int) -> QuantizedArray:
-    """Random Q4_1-like codes (0..15) of [LAYERS, k, n], scales and mins per group of 32."""
+def kernels(rng, k: int, n: int) -> tuple[QuantizedArray, QuantizedArray]:
+    """Random Q4_1-like codes (0..15) of [LAYERS, k, n], scales and mins per group of 32: in
+    int8 containers, and packed two a byte."""
     codes = rng.integers(0, 16, (LAYERS, k // GROUP, GROUP, n))
-    scales = rng.uniform(0.001, 0.01, (LAYERS, k // GROUP, n))
+    scales = rng.uniform(0.001, 0.01, (LAYERS, k // GROUP, n)).astype(np.float16)
     mins = -8 * scales
-    return from_codes(codes, scales, mins, FORMAT).map(jnp.asarray)
+    return tuple(from_codes(codes, scales, mins, fmt).map(jnp.asarray)
+                 for fmt in (FORMAT, PACKED))
 
 
 def mlp_scan(dot):
@@ -69,7 +74,8 @@ def main() -> None:
     measured = {}
     native_dot.ensure_registered()
     rng = np.random.default_rng(0)
-    gate, up, down = kernels(rng, D, F), kernels(rng, D, F), kernels(rng, F, D)
+    (gate, gate4), (up, up4), (down, down4) = kernels(rng, D, F), kernels(rng, D, F), \
+        kernels(rng, F, D)
     one = lambda q: q.map(lambda a: a[0])  # noqa: E731
     x = jnp.asarray(rng.standard_normal((3, D)), jnp.float32)
     want = quantized_matmul("nd,df->nf", x, one(gate))
@@ -80,12 +86,14 @@ def main() -> None:
         "quantized_matmul": (mlp_scan(lambda h, w: quantized_matmul("nd,df->nf", h, w)),
                              (gate, up, down)),
         "ffi kernel": (mlp_scan(ffi_dot), (gate, up, down)),
+        "ffi kernel 4-bit": (mlp_scan(ffi_dot), (gate4, up4, down4)),
     }
     for rows in args.rows or [1, 16]:
         h = jnp.asarray(rng.standard_normal((rows, D)), jnp.float32)
         results = {name: fn(h, *w) for name, (fn, w) in variants.items()}
-        np.testing.assert_allclose(results["ffi kernel"], results["quantized_matmul"],
-                                   rtol=1e-3, atol=1e-3)
+        for name in ("ffi kernel", "ffi kernel 4-bit"):
+            np.testing.assert_allclose(results[name], results["quantized_matmul"],
+                                       rtol=1e-3, atol=1e-3)
         times = {name: [] for name in variants}
         for _ in range(args.repeats):
             for name, (fn, w) in variants.items():

@@ -138,11 +138,14 @@ def test_tile_rows_follow_the_expected_rows_per_expert():
 
 # --- Quantized experts -----------------------------------------------------------------------
 
-# What `common_format` keeps a stack whose layers mix Q6_K and Q4_K blocks in: int8 codes in
-# groups of 16, float32 scales and mins.
+# What `kept_format` keeps a stack whose layers mix Q6_K and Q4_K blocks in: codes in groups of
+# 16, float32 scales and mins; in int8 on the CPU without native kernels, elsewhere in 6 bits
+# (codes stored plus 32).
 MIXED = QuantFormat(bits=8, group=16, num_contracted=1, num_out=1, has_mins=True)
+MIXED_6 = QuantFormat(bits=6, group=16, num_contracted=1, num_out=1, has_mins=True, offset=32)
 EXPERT_FORMATS = {"int8": scheme_format("int8", 1, 1), "int4": scheme_format("int4", 1, 1),
-                  "int4-g64": scheme_format("int4-g64", 1, 1), "mixed": MIXED}
+                  "int4-g64": scheme_format("int4-g64", 1, 1), "mixed": MIXED,
+                  "mixed-6-bit": MIXED_6}
 
 
 def _quantized_stacks(rng, fmt: QuantFormat, num_experts=4, dim=64, width=128):
@@ -150,7 +153,7 @@ def _quantized_stacks(rng, fmt: QuantFormat, num_experts=4, dim=64, width=128):
     float32 weights."""
     stacks = []
     for shape in ((num_experts, dim, width), (num_experts, dim, width), (num_experts, width, dim)):
-        if fmt is MIXED:  # codes of Q6_K's range, as a GGUF's blocks give them
+        if fmt in (MIXED, MIXED_6):  # codes of Q6_K's range, as a GGUF's blocks give them
             groups = (shape[0], shape[1] // 16, shape[2])
             q = from_codes(rng.integers(-32, 32, (groups[0], groups[1], 16, groups[2])),
                            rng.uniform(0.001, 0.01, groups), rng.uniform(-0.05, 0.05, groups),
@@ -193,11 +196,12 @@ def test_a_tile_dequantizes_only_its_own_expert(scheme):
 
 
 @pytest.mark.parametrize("split", ["expert", "width"])
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("scheme", ["int8", "int4", "mixed-6-bit"])
 def test_quantized_experts_split_over_two_fake_devices_match_one_device(scheme, split):
     """Under shard_map the codes, scales and mins of each stack split by their own logical axes:
     each device holds 2 of the 4 experts, or half of every expert's width (down's codes and
-    grouped scales split along the contracted axis, per-channel scales not at all)."""
+    grouped scales split along the contracted axis, per-channel scales not at all; 6-bit codes
+    in whole units of 32)."""
     rng = np.random.default_rng(7)
     quantized, _ = _quantized_stacks(rng, EXPERT_FORMATS[scheme])
     x = jnp.asarray(rng.standard_normal((6, 64)), jnp.float32)
@@ -252,7 +256,7 @@ def quantized_moe_gguf(tmp_path_factory):
 
 
 @pytest.mark.parametrize("platform, want_bits", [("cpu", {"gate": 8, "up": 8, "down": 8}),
-                                                 ("gpu", {"gate": 8, "up": 4, "down": 8})])
+                                                 ("gpu", {"gate": 8, "up": 4, "down": 6})])
 def test_auto_keeps_a_gguf_mixtures_expert_blocks_exactly(quantized_moe_gguf, platform,
                                                           want_bits):
     """Every expert stack is kept, in one format across layers of different block types (down:

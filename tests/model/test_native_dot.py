@@ -5,6 +5,8 @@ where no C++ compiler can build it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,30 +27,82 @@ FORMATS = {  # Q8_0; Q4_1/Q4_K-like with minimums; Q6_K's groups of 16 with floa
     "mins": QuantFormat(bits=8, group=32, num_contracted=1, num_out=1, has_mins=True,
                         scale_dtype="float16"),
     "q6_k": QuantFormat(bits=8, group=16, num_contracted=1, num_out=1, has_mins=False),
+    # the same blocks packed in the bits a file spends on them: Q4_1 (and the int4 schemes'
+    # groups of 64), Q5_0 (signed, stored plus 16), Q5_1, Q6_K (plus 32), Q6_K with Q4_K
+    "4-bit": QuantFormat(bits=4, group=32, num_contracted=1, num_out=1, has_mins=True,
+                         scale_dtype="float16"),
+    "4-bit-g64": QuantFormat(bits=4, group=64, num_contracted=1, num_out=1, has_mins=True,
+                             scale_dtype="float16"),
+    "5-bit": QuantFormat(bits=5, group=32, num_contracted=1, num_out=1, has_mins=False,
+                         scale_dtype="float16", offset=16),
+    "5-bit-mins": QuantFormat(bits=5, group=32, num_contracted=1, num_out=1, has_mins=True,
+                              scale_dtype="float16"),
+    "6-bit": QuantFormat(bits=6, group=16, num_contracted=1, num_out=1, has_mins=False,
+                         offset=32),
+    "6-bit-mins": QuantFormat(bits=6, group=16, num_contracted=1, num_out=1, has_mins=True,
+                              offset=32),
 }
+
+
+def _code_range(fmt: QuantFormat) -> tuple[int, int]:
+    if fmt.bits == 8:
+        return (0, 15) if fmt.has_mins else (-127, 127)
+    return -fmt.offset, (1 << fmt.bits) - 1 - fmt.offset
 
 
 def _kernel(fmt: QuantFormat, k: int, n: int, layers: tuple[int, ...] = (), seed: int = 0):
     rng = np.random.default_rng(seed)
-    low, high = (0, 15) if fmt.has_mins else (-127, 127)
+    low, high = _code_range(fmt)
     codes = rng.integers(low, high + 1, (*layers, k // fmt.group, fmt.group, n))
     scales = rng.uniform(0.001, 0.02, (*layers, k // fmt.group, n))
     mins = -8 * scales if fmt.has_mins else None
     return from_codes(codes, scales, mins, fmt).map(jnp.asarray)
 
 
+def _target(fmt: QuantFormat) -> str:
+    return native_dot.TARGET if fmt.bits == 8 else native_dot.PACKED_TARGET
+
+
 @pytest.mark.parametrize("name", list(FORMATS))
-@pytest.mark.parametrize("rows", [1, 3, 8, 13])
-@pytest.mark.parametrize("n", [96, 100])  # 100: outputs that do not fill a block of 32
-def test_native_dot_matches_the_jnp_path(name, rows, n):
-    q = _kernel(FORMATS[name], 128, n)
+@pytest.mark.parametrize("rows", [1, 3, 13])
+def test_native_dot_matches_the_jnp_path(name, rows):
+    """600 outputs: ranges of 512 and 88 (whole blocks of 32 in registers, and a ragged rest),
+    on XLA's threads; 1 row, 3 rows (one at a time), 13 (8 + 4 + 1)."""
+    q = _kernel(FORMATS[name], 128, 600)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((rows, 128)), jnp.float32)
     want = jax.jit(lambda x, q: quantized_matmul("nd,df->nf", x, q))(x, q)
     with native_dot.enabled():
         lowered = jax.jit(lambda x, q: quantized_matmul("nd,df->nf", x, q)).lower(x, q)
-    assert native_dot.TARGET in lowered.as_text()
+    assert _target(FORMATS[name]) in lowered.as_text()
     got = lowered.compile()(x, q)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("bits", [8, 5])
+def test_attention_kernels_of_several_axes_run_as_matrices(bits):
+    """q's kernel [D, H, hd] (two output axes) and o's [H, hd, D] (two contracted axes, groups
+    along hd) run natively, as the matrices their layouts already are."""
+    fmt = FORMATS["q8_0" if bits == 8 else "5-bit"]
+    rng = np.random.default_rng(3)
+    low, high = _code_range(fmt)
+    q_fmt = dataclasses.replace(fmt, num_out=2)
+    o_fmt = dataclasses.replace(fmt, num_contracted=2)
+    q_kernel = from_codes(rng.integers(low, high + 1, (64 // 32, 32, 4, 32)),
+                          rng.uniform(0.001, 0.02, (2, 4, 32)), None, q_fmt).map(jnp.asarray)
+    o_kernel = from_codes(rng.integers(low, high + 1, (4, 32 // 32, 32, 64)),
+                          rng.uniform(0.001, 0.02, (4, 1, 64)), None, o_fmt).map(jnp.asarray)
+    x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+
+    def attention():  # a function of its own for each trace: jax caches traces by function
+        return lambda x, wq, wo: quantized_matmul(
+            "nqh,qhd->nd", quantized_matmul("nd,dqh->nqh", x, wq), wo)
+
+    want = jax.jit(attention())(x, q_kernel, o_kernel)
+    with native_dot.enabled():
+        lowered = jax.jit(attention()).lower(x, q_kernel, o_kernel)
+    assert lowered.as_text().count(_target(fmt)) == 2
+    np.testing.assert_allclose(lowered.compile()(x, q_kernel, o_kernel), want, rtol=2e-5,
+                               atol=2e-5)
 
 
 def test_the_native_dot_runs_inside_a_layer_scan_and_shows_in_the_hlo():
@@ -67,16 +121,17 @@ def test_the_native_dot_runs_inside_a_layer_scan_and_shows_in_the_hlo():
 
 
 def test_a_format_the_kernel_does_not_serve_keeps_the_jnp_path():
-    """Per-channel int8 (the `int8` scheme) and int4 are left to XLA."""
+    """Per-channel int8 (the `int8` scheme) and bfloat16 activations are left to XLA."""
     per_channel = QuantFormat(bits=8, group=None, num_contracted=1, num_out=1, has_mins=False)
-    int4 = QuantFormat(bits=4, group=32, num_contracted=1, num_out=1, has_mins=True,
-                       scale_dtype="float16")
-    x = jnp.ones((1, 64), jnp.float32)
-    for fmt in (per_channel, int4):
-        q = from_codes(np.ones((64, 32) if fmt.group is None else (2, 32, 32), np.int64),
-                       np.full((32,) if fmt.group is None else (2, 32), 0.01),
-                       None if not fmt.has_mins else np.zeros((2, 32)), fmt).map(jnp.asarray)
-        assert not native_dot.serves(x, q)
+    q = from_codes(np.ones((64, 32), np.int64), np.full((32,), 0.01), None,
+                   per_channel).map(jnp.asarray)
+    assert native_dot.matmul("nd,df->nf", jnp.ones((1, 64), jnp.float32), q) is None
+    grouped = _kernel(FORMATS["4-bit"], 64, 32)
+    assert native_dot.matmul("nd,df->nf", jnp.ones((1, 64), jnp.bfloat16), grouped) is None
+    # more rows than a decode step's (a prefill chunk) go to XLA's dot
+    many = jnp.ones((native_dot.MAX_ROWS + 1, 64), jnp.float32)
+    assert native_dot.matmul("nd,df->nf", many, grouped) is None
+    assert native_dot.matmul("nd,df->nf", many[:native_dot.MAX_ROWS], grouped) is not None
 
 
 def test_an_engine_with_native_kernels_gives_the_tokens_of_one_without():
@@ -128,8 +183,9 @@ def test_the_native_table_head_matches_the_jnp_path(has_mins, rows):
     fmt = QuantFormat(bits=8, group=32, num_contracted=1, num_out=0, has_mins=has_mins,
                       scale_dtype="float16")
     rng = np.random.default_rng(2)
-    codes = rng.integers(0 if has_mins else -127, 16 if has_mins else 128, (100, 2, 32))
-    scales = rng.uniform(0.001, 0.02, (100, 2))
+    # 101 rows: pairs of the table's rows, and one alone
+    codes = rng.integers(0 if has_mins else -127, 16 if has_mins else 128, (101, 2, 32))
+    scales = rng.uniform(0.001, 0.02, (101, 2))
     table = from_codes(codes, scales, -8 * scales if has_mins else None, fmt).map(jnp.asarray)
     x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
     want = jax.jit(lambda x, t: table_logits(x, t))(x, table)
@@ -137,3 +193,33 @@ def test_the_native_table_head_matches_the_jnp_path(has_mins, rows):
         lowered = jax.jit(lambda x, t: table_logits(x, t)).lower(x, table)
     assert native_dot.TABLE_TARGET in lowered.as_text()
     np.testing.assert_allclose(lowered.compile()(x, table), want, rtol=2e-5, atol=2e-5)
+
+
+def test_native_kernels_are_on_by_default_where_they_run_and_off_elsewhere():
+    assert native_dot.resolve(None) and native_dot.resolve(True)
+    assert not native_dot.resolve(False)
+    assert not native_dot.resolve(None, num_devices=2)  # a mesh: XLA's dots, split
+    with pytest.raises(native_dot.NativeUnavailable, match="one CPU device"):
+        native_dot.resolve(True, num_devices=2)
+
+
+def test_without_a_compiler_the_default_is_off_and_asking_for_them_says_why(tmp_path):
+    """A compiler that fails (here /bin/false as $CXX): unset turns native kernels off with a
+    warning; asked for, they are refused with the build's error."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "from meshserve.model import native_dot\n"
+        "assert native_dot.resolve(None) is False\n"
+        "try:\n"
+        "    native_dot.resolve(True)\n"
+        "except native_dot.NativeUnavailable as err:\n"
+        "    print('refused:', err)\n")
+    env = {**os.environ, "CXX": "/bin/false", "HOME": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "refused: building grouped_dot.cc with /bin/false failed" in result.stdout
+    assert "native kernels are off" in result.stderr

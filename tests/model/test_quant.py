@@ -208,19 +208,27 @@ def test_gguf_blocks_load_into_kernels_exactly(quantized_gguf, scheme):
         "embed/embedding"}
 
 
-@pytest.mark.parametrize("platform, want_bits", [
-    ("gpu", {"q": 4, "k": 4, "gate": 4, "v": 8, "o": 8, "up": 8, "down": 8, "embed": 8}),
-    ("cpu", {"q": 8, "k": 8, "gate": 8, "v": 8, "o": 8, "up": 8, "down": 8}),
+FILE_BITS = {"q": 4, "k": 4, "gate": 4, "v": 5, "o": 5, "up": 8, "down": 6, "embed": 8}
+
+
+@pytest.mark.parametrize("platform, native, want_bits", [
+    ("gpu", False, FILE_BITS),
+    ("cpu", True, FILE_BITS),
+    ("cpu", False, {"q": 8, "k": 8, "gate": 8, "v": 8, "o": 8, "up": 8, "down": 8}),
 ])
 def test_auto_keeps_every_block_type_that_fits_and_leaves_the_rest_float(quantized_gguf,
-                                                                         platform, want_bits):
-    """auto on a GPU: 4-bit blocks as int4, 5- to 8-bit ones as int8; on the CPU every block in
-    int8 containers; exactly, either way. A kernel whose layers mix block types (up: Q5_K and
-    Q8_0) is kept in one int8 format that holds both (mins, float32 scales); no kernel of a
-    quantized file stays float. Its tied Q8_0 embedding table is kept on a GPU; on the CPU, where
-    the LM head reads a float table faster, it is dequantized."""
+                                                                         platform, native,
+                                                                         want_bits):
+    """auto on a GPU, and on the CPU with native kernels: each block type in the bits its codes
+    take (Q4 types in 4, Q5_0 and Q5_1 in 5, Q6_K in 6, Q8_0 in 8); on the CPU without them
+    every block in int8 containers; exactly, either way. A kernel whose layers mix block types
+    is kept in one format that holds both: up (Q5_K and Q8_0) in 8 bits with mins and float32
+    scales, down (Q6_K and Q4_K) in 6 bits, its codes offset by 32; no kernel of a quantized
+    file stays float. Its tied Q8_0 embedding table is kept on a GPU and with native kernels;
+    on the CPU without them, where the LM head reads a float table faster, it is dequantized."""
     _, floats = load_gguf(quantized_gguf)
-    _, params = load_gguf(quantized_gguf, plans=scheme_plans("auto", platform=platform))
+    _, params = load_gguf(quantized_gguf, plans=scheme_plans("auto", platform=platform,
+                                                             native=native))
     bits = {key.split("/")[-2]: value.format.bits for key, value in params.items()
             if isinstance(value, QuantizedArray)}
     assert bits == want_bits
@@ -230,6 +238,8 @@ def test_auto_keeps_every_block_type_that_fits_and_leaves_the_rest_float(quantiz
     assert (formats["down"].group, formats["down"].has_mins) == (16, True)
     assert formats["down"].scale_dtype == "float32"
     assert (formats["up"].group, formats["up"].has_mins) == (32, True)
+    if want_bits["v"] == 5:  # Q5_0's signed codes stored from 0; Q5_1's are unsigned
+        assert (formats["v"].offset, formats["o"].offset, formats["down"].offset) == (16, 0, 32)
     for key, value in params.items():
         want = floats[key]
         got = dequantize(value) if isinstance(value, QuantizedArray) else value
