@@ -88,9 +88,10 @@ class RunnerConfig:
                                   "window); jnp is the portable reference",
                           compile=True, choices=ATTENTION_CHOICES)
     context_block_pages: int = 8  # pages of cached context attention reads per loop iteration
-    native_kernels: bool = knob(False, "grouped int8 kernels (a GGUF's blocks on the CPU) through "
-                                       "a native kernel built on first use with the system's C++ "
-                                       "compiler; one CPU device only", compile=True)
+    native_kernels: bool | None = knob(
+        None, "a GGUF's kept blocks (int8, or packed in 4, 5 or 6 bits) and a kept LM head "
+              "through native kernels built on first use with the system's C++ compiler; unset: "
+              "on wherever they run (the CPU, one device, a compiler), else off", compile=True)
 
     def __post_init__(self):
         if self.attention not in ATTENTION_CHOICES:
@@ -183,6 +184,8 @@ class ModelRunner:
         self.config = config
         self.attention = config.backend(model.config, platform=platform)
         self.layout = layout
+        self.native_kernels = native_dot.resolve(
+            config.native_kernels, num_devices=1 if layout is None else layout.mesh.size)
         # Seconds the last `execute` waited for the device, after every call was dispatched:
         # the rest of its time is host work (flattening, transfers, dispatch).
         self.last_wait_seconds = 0.0
@@ -299,7 +302,7 @@ class ModelRunner:
         if key not in self._programs:
             sharding = None if self.layout is None else self.layout.rows
             batch, sampling = to_devices(self.template(key), sharding)
-            with native_dot.enabled(self.config.native_kernels):
+            with native_dot.enabled(self.native_kernels):
                 self._programs[key] = self._step.lower(self.params, self.cache, batch,
                                                        sampling).compile()
         return self._programs[key]

@@ -51,7 +51,7 @@ class EngineConfig(SchedulingKnobs):
                                               "keeps learning from finished requests")
     max_logprobs: int = same_knob(RunnerConfig, "max_logprobs")
     attention: str = same_knob(RunnerConfig, "attention")
-    native_kernels: bool = same_knob(RunnerConfig, "native_kernels")
+    native_kernels: bool | None = same_knob(RunnerConfig, "native_kernels")
     pipeline_rounds: int = knob(4, "stage > 1: steps one pipeline call runs before the host steps "
                                    "in (1 for a call with a penalty)", compile=True)
     bubble_filling: bool = knob(True, "stage > 1: overlap rounds and fill idle stage slots with "

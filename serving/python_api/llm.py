@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 
 from meshserve.batching import wire
 from meshserve.batching.sampling import SamplingParams
+from meshserve.model import native_dot
 from meshserve.serving.engine import multihost
 from meshserve.sharding.sharded_loading import load_sharded
 from meshserve.serving.engine.admission import Prompt as EnginePrompt
@@ -57,6 +58,9 @@ class LLM:
         self.cluster = multihost.current()
         if self.cluster is not None:
             multihost.check_mesh(config.mesh_config)
+        # settled before loading: with native kernels the CPU keeps blocks the head reads
+        config = dataclasses.replace(config, native_kernels=native_dot.resolve(
+            config.native_kernels, num_devices=config.mesh_config.num_devices))
         pretrained = load_sharded(model, config.mesh_config, dtype=dtype, seed=seed,
                                   quantization=config.quantization,
                                   native_kernels=config.native_kernels)
