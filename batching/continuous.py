@@ -29,6 +29,10 @@ readmitted straight into the same shortage. A request never preempts an older on
 request passed `add`'s check that it fits in the whole cache, so the oldest running request always
 makes progress: no step can hang.
 
+A constrained request whose last output is still a pipeline placeholder (`awaits_output`) is
+left out of the step: its next mask needs that token. It keeps its seat and pages, and other
+requests take their rows as usual.
+
 Placement (`num_replicas` > 1): a request is placed when it is admitted, on the replica with the
 longest prefix-cache hit, then the least loaded by tokens held, then the lowest index, among those
 with a free seat, budget and pages for its first chunk. Preemption picks its victim on the needy
@@ -112,6 +116,8 @@ class ContinuousPolicy:
         """Schedules the running requests that are decoding (or mid-prompt), oldest first."""
         for request in list(scheduler.running):
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this pass
+                continue
+            if request.awaits_output:  # its next mask needs a token not known yet
                 continue
             if (request.num_uncomputed == 1) != is_decode:
                 continue

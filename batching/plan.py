@@ -260,7 +260,7 @@ def _allowed(rows: Sequence[Row]) -> np.ndarray:
     width = next(iter(masks.values())).num_words
     allowed = np.full((len(rows), width), -1, np.int32)
     for i, constraint in masks.items():
-        # A pipeline must not plan a constrained row ahead of its matcher (Engine._pipeline_step).
+        # A policy never plans a constrained row ahead of its matcher (Request.awaits_output).
         assert constraint.num_consumed == len(rows[i].request.output_token_ids), \
             "a constrained row was planned before its last output was known"
         allowed[i] = constraint.mask

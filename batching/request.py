@@ -118,6 +118,15 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    @property
+    def awaits_output(self) -> bool:
+        """Whether its constraint has not taken its last output yet: a pipeline call planned
+        that output ahead of the device (a placeholder), and the mask of the next one needs the
+        real token. Until it is known the request cannot sample, so policies leave it out of
+        the step; other requests go on."""
+        return (self.constraint is not None
+                and self.constraint.num_consumed < len(self.output_token_ids))
+
     def keys_of_pages(self, num_pages: int, page_size: int) -> list[bytes]:
         """Prefix-cache keys of its first `num_pages` full pages (`prefix_cache.page_hash`).
 

@@ -48,7 +48,8 @@ class Runner(Protocol):
     channel: Any | None  # the plan stream of a multi-process run (serving/engine/multihost.py)
 
     def warmup(self, *, progress: bool = True) -> list[tuple[int, ...]]:
-        """Compiles every program a plan can need, runs nothing; returns their keys."""
+        """Compiles every program a plan can need, runs nothing; returns the keys of the calls
+        they serve (with and without a structured-output mask: one program serves both)."""
         ...
 
     def execute(self, plan: Any) -> list:

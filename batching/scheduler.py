@@ -56,6 +56,7 @@ from meshserve.batching.plan import StepPlan, build_plan
 from meshserve.batching.policy import Policy
 from meshserve.batching.request import Request, RequestStatus, constrained_stop, stop_status
 from meshserve.batching.static import StaticPolicy
+from meshserve.batching.structured import MaskFiller, advance_all, fill_each
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -91,9 +92,12 @@ class Scheduler:
     `Primitives` (reads: running_on, replica_load, waiting_order, cached_prefix,
     preemption_cost; moves: admit, reserve_pages, preempt)."""
 
-    def __init__(self, config: SchedulerConfig, predictor: LengthPredictor | None = None):
+    def __init__(self, config: SchedulerConfig, predictor: LengthPredictor | None = None, *,
+                 fill_masks: MaskFiller = fill_each):
         """`predictor` predicts each request's output length when it is added, and learns from
-        each that finishes; "predicted" ordering without one uses the prior."""
+        each that finishes; "predicted" ordering without one uses the prior. `fill_masks`
+        computes the next masks of a step's constrained requests, all at once
+        (`batching/structured.py`, `advance_all`)."""
         self.config = config
         self.ordering = make_ordering(config)
         if predictor is None and self.ordering.needs_predictions:
@@ -106,8 +110,10 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._num_preemptions = 0
         self._num_cached_tokens = 0
+        self.fill_masks = fill_masks
         self.constraint_seconds = 0.0  # host time advancing matchers and computing their masks
-        self.num_constraint_advances = 0
+        self.num_constraint_advances = 0  # tokens the matchers took
+        self.num_constraint_batches = 0  # steps (pipeline calls) in which some matcher took one
         self.num_window_freed_pages = 0  # pages given back behind a sliding window, in all
         self._policy: Policy = _POLICIES[config.policy](config, self.ordering)
 
@@ -173,7 +179,7 @@ class Scheduler:
         have left the scheduler and freed their pages.
         """
         assert len(tokens) == len(plan.sub_batches)
-        touched = []
+        touched, pending = [], []
         for row in plan.real_rows():
             request = self._requests.get(row.request_id)
             if request is None:  # aborted during the step
@@ -183,8 +189,14 @@ class Scheduler:
             self._register_full_pages(request)
             self._release_behind_window(request)
             if row.is_sampled:
-                self._append_output(request, int(tokens[row.batch][row.row]))
+                pending += self._append_output(request, int(tokens[row.batch][row.row]))
                 touched.append(request)
+        # The constrained requests' matchers take their tokens together: one fill of all masks.
+        ends = self.advance_constraints([(request, token) for request, token, _ in pending])
+        for (request, _, stop), end in zip(pending, ends):
+            stop = constrained_stop(request, stop, end)
+            if stop is not None:
+                self.finish(request.request_id, *stop)
         return touched
 
     def finish(self, request_id: str, reason: RequestStatus | str,
@@ -218,14 +230,27 @@ class Scheduler:
             request.status, request.finish_reason = status, status.finish_reason
             request.stop_reason = stop_reason
 
-    def set_output(self, request: Request, index: int, token: int
-                   ) -> tuple[RequestStatus, str | None] | None:
+    def set_output(self, request: Request, index: int, token: int) -> None:
         """Puts a sampled token where a plan made ahead of it (pipeline rounds) left a
-        placeholder. A constrained request's matcher takes the token now (no plan ran ahead of
-        it: see `Engine._pipeline_step`); returns how the constraint ends the request, if it
-        does, for the caller to apply with `end_at` after the token-level stops."""
+        placeholder. A constrained request's matcher takes it through `advance_constraints`
+        (no plan ran ahead of the matcher: see `Request.awaits_output`)."""
         request.output_token_ids[index] = token
-        return self._constraint_end(request, token)
+
+    def advance_constraints(self, pairs: Sequence[tuple[Request, int]]
+                            ) -> list[tuple[RequestStatus, str | None] | None]:
+        """Each `(request, token)`'s constraint takes the token, and their next masks are
+        computed together (`advance_all` with `fill_masks`); returns how each constraint ends
+        its request, if it does (complete: "stop"; dead: "unsatisfiable"), for the caller to
+        apply after the token-level stops (`constrained_stop`)."""
+        if not pairs:
+            return []
+        started = time.perf_counter()
+        ends = advance_all([request.constraint for request, _ in pairs],
+                           [token for _, token in pairs], self.fill_masks)
+        self.constraint_seconds += time.perf_counter() - started
+        self.num_constraint_advances += len(pairs)
+        self.num_constraint_batches += 1
+        return [None if end is None else (RequestStatus(end[0]), end[1]) for end in ends]
 
     def _observe_length(self, request: Request) -> None:
         """Teaches the predictor a finished request's output length; an aborted request's
@@ -377,26 +402,19 @@ class Scheduler:
             allocator.register(request.pages[index], keys[index])
         request.num_registered_pages = max(request.num_registered_pages, len(keys))
 
-    def _append_output(self, request: Request, token: int) -> None:
-        """A sampled token, or a pipeline placeholder (< 0) that `set_output` fills later."""
+    def _append_output(self, request: Request, token: int
+                       ) -> list[tuple[Request, int, tuple[RequestStatus, int | None] | None]]:
+        """A sampled token, or a pipeline placeholder (< 0) that `set_output` fills later; ends
+        the request at a token-level stop. A constrained request's matcher must take the token
+        first (`takes_token`): then nothing ends here, and `[(request, token, stop so far)]`
+        comes back for the step's one `advance_constraints`."""
         request.output_token_ids.append(token)
         stop = stop_status(request, self.config.eos_token_ids)
-        if token >= 0 and (stop is None or stop[0] is RequestStatus.FINISHED_LENGTH):
-            stop = constrained_stop(request, stop, self._constraint_end(request, token))
+        if takes_token(request, token, stop):
+            return [(request, token, stop)]
         if stop is not None:
             self.finish(request.request_id, *stop)
-
-    def _constraint_end(self, request: Request, token: int
-                        ) -> tuple[RequestStatus, str | None] | None:
-        """Advances a constrained request's matcher by its newest output; how that ends it, if
-        it does (complete: "stop"; dead: "unsatisfiable")."""
-        if request.constraint is None:
-            return None
-        started = time.perf_counter()
-        end = request.constraint.advance(token)
-        self.constraint_seconds += time.perf_counter() - started
-        self.num_constraint_advances += 1
-        return None if end is None else (RequestStatus(end[0]), end[1])
+        return []
 
     def _check_fits(self, request: Request) -> None:
         c, rid = self.config, request.request_id
@@ -414,6 +432,15 @@ class Scheduler:
                 f"request {rid!r} needs {num_pages} KV pages of {c.page_size} tokens, but the "
                 f"cache has {self.allocators[0].num_total}; shorten it or give the cache more "
                 "pages")
+
+
+def takes_token(request: Request, token: int,
+                stop: tuple[RequestStatus, int | None] | None) -> bool:
+    """Whether a constrained request's matcher takes its newest output `token`: a real token
+    (not a placeholder) at which no stop token ended it (EOS and stop ids never reach the
+    matcher; max_tokens does, to tell a complete output from a cut one)."""
+    return (request.constraint is not None and token >= 0
+            and (stop is None or stop[0] is RequestStatus.FINISHED_LENGTH))
 
 
 _POLICIES = {"continuous": ContinuousPolicy, "static": StaticPolicy}

@@ -44,7 +44,8 @@ class StaticPolicy:
             if any(_is_prefilling(r) for r in batch):
                 rows += self._prefill_rows(batch)
             else:
-                rows += [Row(r, 0 if r.is_finished else 1, is_decode=True) for r in batch]
+                rows += [Row(r, 0 if r.is_finished or r.awaits_output else 1, is_decode=True)
+                         for r in batch]  # a row awaiting its constraint's token pads
         return rows
 
     def _form_batch(self, scheduler: Primitives, replica: int) -> list[Request]:

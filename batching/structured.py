@@ -6,6 +6,14 @@ shape on construction (exactly one kind, of the right type; a schema given as te
 whether the schema, regex or grammar itself is valid is for the grammar library to say when the
 engine compiles it (`meshserve.serving.engine.grammar`), before the request is queued.
 
+Bounds (JSON constraints only; `BOUNDS`): `max_string_length` caps every string the output may
+write at that many characters, and every object key its schema does not name, and
+`max_integer_digits` caps the digits of every number before its point (|x| < 10**digits); a
+number the schema types has at most 8 digits after it in any case. Unset, a bound is the
+engine's default (`EngineConfig.structured_max_string_length`, `structured_max_integer_digits`),
+and unset there the schema's own limits are all there is, as in OpenAI's API, which documents
+none. `meshserve.serving.engine.json_schemas` writes them into the schema.
+
 `Matcher` is what the host needs of a compiled constraint, one per request: the bitmask of the
 tokens allowed next, and advancing by the token sampled. `Constraint` is that matcher inside a
 request: it keeps the mask of the request's next token ready (computed once per output, right
@@ -36,6 +44,12 @@ token written freely raises need by at least the tokens that were left beyond ne
 Masks are packed as the device reads them: int32 words, bit `t % 32` of word `t // 32` set when
 token t is allowed (`mask_words`). All bits set (-1) allows everything.
 
+One step, many rows (`advance_all`): every constrained row of a step takes its token first, and
+then the masks of all of them are computed in one call of a `MaskFiller`, which the scheduler is
+given: the grammar library's parallel fill over every matcher at once
+(`meshserve.serving.engine.grammar.fill_masks`), or `fill_each`, one matcher after another. Each
+mask is then finished as above (EOS cleared, narrowed to a completion), which is per row.
+
 This module is plain Python and numpy; it must not import jax, the grammar library, or anything
 from meshserve's other packages.
 """
@@ -44,7 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -52,6 +66,10 @@ KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_CONSTRAINT_CHARS = 1 << 20  # a schema, regex, grammar or choice list, as text
 MAX_CHOICES = 4096
 CLOSING_RESERVE = 4  # tokens beyond the closing's own at which closing starts (see above)
+BOUNDS = ("max_string_length", "max_integer_digits")
+JSON_KINDS = ("json_schema", "json_object")  # the kinds bounds apply to
+MAX_BOUNDS = {"max_string_length": 1 << 16,  # characters; longer is no bound within a context
+              "max_integer_digits": 15}  # a float64 holds 15 digits exactly
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -65,6 +83,10 @@ class StructuredOutput:
     grammar: the output is a sentence of this grammar (Lark syntax with a `start` rule, or GBNF
     with a `root` rule).
 
+    With `json_schema` or `json_object`, optional bounds (see the module docstring):
+    max_string_length: no string (or object key) longer than this many characters.
+    max_integer_digits: no number with more digits than this before its point.
+
     After construction `json_schema` is compact JSON text (keys in their given order, which is
     the order the output writes them in), so equal schemas are one constraint (one compile), and
     `choice` is a tuple.
@@ -75,6 +97,8 @@ class StructuredOutput:
     regex: str | None = None
     choice: Sequence[str] | None = None
     grammar: str | None = None
+    max_string_length: int | None = None
+    max_integer_digits: int | None = None
 
     def __post_init__(self):
         given = [kind for kind in KINDS if _is_set(self, kind)]
@@ -92,6 +116,12 @@ class StructuredOutput:
                 _check_text(f"structured.{name}", value)
         if self.choice is not None:
             object.__setattr__(self, "choice", _as_choices(self.choice))
+        for name in BOUNDS:
+            value = getattr(self, name)
+            check_bound(f"structured.{name}", name, value)
+            if value is not None and given[0] not in JSON_KINDS:
+                raise ValueError(f"structured.{name} bounds JSON (json_schema or json_object), "
+                                 f"not {given[0]}: write the limit into the {given[0]} itself")
 
     @property
     def kind(self) -> str:
@@ -99,19 +129,45 @@ class StructuredOutput:
         return next(kind for kind in KINDS if _is_set(self, kind))
 
     @property
-    def key(self) -> tuple[str, str]:
-        """`(kind, text)`: equal for equal constraints; what compiled grammars are cached by."""
+    def bounds(self) -> tuple[int | None, ...]:
+        """The bounds, in `BOUNDS` order (None: unset)."""
+        return tuple(getattr(self, name) for name in BOUNDS)
+
+    @property
+    def key(self) -> tuple[str, str, tuple[int | None, ...]]:
+        """`(kind, text, bounds)`: equal for equal constraints; what compiled grammars are
+        cached by."""
         kind = self.kind
         if kind == "json_object":
-            return kind, ""
+            return kind, "", self.bounds
         if kind == "choice":
-            return kind, json.dumps(list(self.choice))
-        return kind, getattr(self, kind)
+            return kind, json.dumps(list(self.choice)), self.bounds
+        return kind, getattr(self, kind), self.bounds
+
+    def with_default_bounds(self, **defaults: int | None) -> StructuredOutput:
+        """This constraint with each bound it leaves unset taken from `defaults` (the engine's);
+        a constraint that is not JSON takes none."""
+        unset = {name: value for name, value in defaults.items()
+                 if value is not None and getattr(self, name) is None}
+        if self.kind not in JSON_KINDS or not unset:
+            return self
+        return dataclasses.replace(self, **unset)
 
 
 def _is_set(structured: StructuredOutput, kind: str) -> bool:
     value = getattr(structured, kind)
     return value is not False and value is not None
+
+
+def check_bound(field: str, name: str, value) -> None:
+    """Bound `name` (one of `BOUNDS`) is unset, or an int in [1, MAX_BOUNDS[name]]; `field`
+    names it in the error (the engine's default is a knob of its own name)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{field} must be an int, got {value!r}")
+    if not 1 <= value <= MAX_BOUNDS[name]:
+        raise ValueError(f"{field} must be in [1, {MAX_BOUNDS[name]}], got {value}")
 
 
 def _canonical_schema(schema) -> str:
@@ -203,6 +259,34 @@ class Matcher(Protocol):
         of at most `budget` tokens; all zero if none."""
 
 
+# Writes the mask of each matcher's next token into the row of `out` (int32 [n, words]) of the
+# same index: `fill_each`, or a grammar library's fill of all of them at once.
+MaskFiller = Callable[[Sequence[Matcher], np.ndarray], None]
+
+
+def fill_each(matchers: Sequence[Matcher], out: np.ndarray) -> None:
+    """The `MaskFiller` of any matchers: one after another."""
+    for row, matcher in enumerate(matchers):
+        matcher.fill_mask(out[row])
+
+
+def advance_all(constraints: Sequence[Constraint], tokens: Sequence[int],
+                fill_masks: MaskFiller = fill_each) -> list[tuple[str, str | None] | None]:
+    """Each constraint takes its token; then the masks of those still going are computed
+    together, in one call of `fill_masks` (see the module docstring). Returns each one's
+    `Constraint.advance` result."""
+    ends = [constraint.consume(token) for constraint, token in zip(constraints, tokens)]
+    live = [constraint for constraint, end in zip(constraints, ends) if end is None]
+    if live:
+        masks = np.empty((len(live), live[0].num_words), np.int32)
+        assert all(c.num_words == masks.shape[1] for c in live), "one vocabulary per batch"
+        fill_masks([constraint.matcher for constraint in live], masks)
+        for constraint, mask in zip(live, masks):
+            constraint.take_mask(mask)
+    return [end if end is not None else constraint.end()
+            for constraint, end in zip(constraints, ends)]
+
+
 @dataclasses.dataclass(eq=False)
 class Constraint:
     """A request's matcher and the mask of its next token (see the module docstring)."""
@@ -223,11 +307,21 @@ class Constraint:
     def advance(self, token: int) -> tuple[str, str | None] | None:
         """Takes the request's next output; returns `(finish_reason, stop_reason)` when the
         constraint ends the request, else None."""
+        return advance_all([self], [token])[0]
+
+    def consume(self, token: int) -> tuple[str, str | None] | None:
+        """The matcher takes `token`, the mask not yet refreshed (`take_mask` does that);
+        "unsatisfiable" if the constraint refused the token, else None."""
         self.num_consumed += 1
         if not self.matcher.advance(token):
             return "unsatisfiable", self._dead_reason(f"the constraint refused token {token}")
-        self._refresh()
-        return self.end()
+        return None
+
+    def take_mask(self, mask: np.ndarray) -> None:
+        """Refreshes the mask from the matcher's own (`Matcher.fill_mask`'s, computed for its
+        state after `consume`)."""
+        self.mask[:] = mask
+        self._finish_mask()
 
     def end(self) -> tuple[str, str | None] | None:
         """Whether the constraint, as it stands, ends the request (see `advance`)."""
@@ -247,6 +341,11 @@ class Constraint:
 
     def _refresh(self) -> None:
         self.matcher.fill_mask(self.mask)
+        self._finish_mask()
+
+    def _finish_mask(self) -> None:
+        """The matcher's mask, made the request's: nothing once stopped, EOS cleared under
+        `ignore_eos`, narrowed to a completion when closing is due."""
         if self.matcher.is_stopped():
             self.mask[:] = 0  # complete or dead: the EOS that would follow is not sampled
         elif self.ignore_eos:

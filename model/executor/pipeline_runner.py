@@ -28,7 +28,11 @@ same branch and the collectives inside (the `model` axis' all-reduces) always me
 
 The compiled set is one program: it serves every schedule, the loop running only as many ticks
 as the schedule has, and prompt logprobs are a branch of it taken only by the PREFILL units
-that ask for them (their outputs come back to the host only from calls that have any). Knobs
+that ask for them (their outputs come back to the host only from calls that have any). A call
+whose schedule samples no constrained row neither builds nor copies the units' structured-output
+masks: its key is `(0,)` (`has_mask`), its host units hold zero-width `allowed` columns, and
+`run_calls` gives the program resident all-allowed masks instead, as `ModelRunner` does; the
+same program runs either way. Knobs
 that cost a compile: the `UnitShape` (units per call, rows, prefill width and rows, pages), the
 cache geometry, `max_logprobs` and the attention backend.
 """
@@ -114,6 +118,7 @@ class PipelineRunner:
                                num_stages=self.num_stages, num_top=config.max_logprobs,
                                attention=self.attention, block_pages=config.block_pages)
         self._programs: dict[tuple[int, ...], jax.stages.Compiled] = {}
+        self._allow_all: dict[tuple[int, ...], jax.Array] = {}  # resident masks, by shape
         self.last_user: object | None = None  # whoever ran the last step (engines sharing the
         # runner take turns with its KV cache)
         self.channel: PlanChannel | None = None  # a multi-process run sets it on every process
@@ -125,28 +130,31 @@ class PipelineRunner:
         return [()]
 
     def warmup(self, keys: Sequence[tuple[()]] | None = None, *,
-               progress: bool = True) -> list[tuple[()]]:
-        """Compiles the pipeline call; runs nothing."""
+               progress: bool = True) -> list[tuple[int]]:
+        """Compiles the pipeline call; runs nothing. Returns the call keys it serves, with and
+        without masks (`has_mask`: their host arrays differ in size)."""
         keys = self.step_keys() if keys is None else list(keys)
         for key in tqdm(keys, desc="warming up", unit="program", disable=not progress):
             self.program(key)
-        return keys
+        return [(1,), (0,)]
 
-    def program(self, key: tuple[()] = ()) -> jax.stages.Compiled:
+    def program(self, key: tuple[int, ...] = ()) -> jax.stages.Compiled:
         """The compiled call, compiled (or loaded from the persistent compilation cache) on
-        first use. Calls run it directly, so the compiled set is exactly this one."""
-        key = tuple(key)
-        if key not in self._programs:
-            units, kinds, ticks = self.to_devices(self.template(key))
-            self._programs[key] = self._call.lower(self.params, self.cache, kinds, units,
-                                                   ticks).compile()
-        return self._programs[key]
+        first use; a call key's `has_mask` picks no other. Calls run it directly, so the
+        compiled set is exactly this one."""
+        if () not in self._programs:
+            units, kinds, ticks = self.to_devices(self.template(()))
+            self._programs[()] = self._call.lower(self.params, self.cache, kinds, units,
+                                                  ticks).compile()
+        return self._programs[()]
 
     def execute(self, schedule: PipelineSchedule) -> list[list[SampledRows]]:
         """Runs the schedule; per round, per sub-batch of its plan, each row's sampled token."""
         assert schedule.shape == self.shape, (schedule.shape, self.shape)
+        has_mask = _has_mask(schedule)
         with peer_errors(self.channel):
-            (out,) = self.run_calls([()], [self.host_arrays(schedule)])
+            (out,) = self.run_calls([(has_mask,)], [self.host_arrays(schedule,
+                                                                     has_mask=has_mask)])
             started = time.perf_counter()
             if not schedule.has_targets:  # no prompt logprobs to copy back
                 out = RaggedOutput(sampled=out.sampled)
@@ -154,17 +162,21 @@ class PipelineRunner:
         self.last_wait_seconds = time.perf_counter() - started
         return unit_results(schedule, _last_stage(host, self.num_stages - 1))
 
-    def host_arrays(self, schedule: PipelineSchedule) -> tuple[PipelineUnits, np.ndarray,
-                                                                np.ndarray]:
+    def host_arrays(self, schedule: PipelineSchedule, *, has_mask: int = 1
+                    ) -> tuple[PipelineUnits, np.ndarray, np.ndarray]:
         """What the compiled call reads: the units, each unit's branch and the number of
-        ticks."""
+        ticks; without `has_mask`, zero-width masks (see the module docstring)."""
         is_logprobs = (schedule.kinds == PREFILL) & (schedule.prompt_logprobs > 0)
         branches = np.where(is_logprobs, PREFILL_LOGPROBS, schedule.kinds).astype(np.int32)
-        return self.host_units(schedule), branches, np.array(schedule.num_ticks, np.int32)
+        return (self.host_units(schedule, has_mask=has_mask), branches,
+                np.array(schedule.num_ticks, np.int32))
 
-    def template(self, key: tuple[()] = ()) -> tuple[PipelineUnits, np.ndarray, np.ndarray]:
-        """Zero host arrays shaped like every call's (one shape serves every schedule)."""
-        return self.host_arrays(build_schedule([], self.shape))
+    def template(self, key: tuple[int, ...] = ()) -> tuple[PipelineUnits, np.ndarray,
+                                                            np.ndarray]:
+        """Zero host arrays shaped like every call's with key `key` (one shape serves every
+        schedule): the program's own `()`, or a call key `(has_mask,)`."""
+        return self.host_arrays(build_schedule([], self.shape),
+                                has_mask=key[0] if key else 1)
 
     def to_devices(self, arrays):
         units, kinds, ticks = arrays
@@ -179,19 +191,39 @@ class PipelineRunner:
         outs = []
         for key, entry in zip(keys, arrays):
             units, kinds, ticks = self.to_devices(entry)
+            units = self._with_resident_masks(units)
             out, self.cache = self.program(key)(self.params, self.cache, kinds, units, ticks)
             outs.append(out)
         return outs
 
-    def host_units(self, schedule: PipelineSchedule) -> PipelineUnits:
-        """The schedule as numpy leaves shaped for the call."""
+    def _with_resident_masks(self, units: PipelineUnits) -> PipelineUnits:
+        """`units` with each zero-width mask (a call without `has_mask`) replaced by an
+        all-allowed one of its full shape, on the devices since its first use."""
+        def full(sampling: SamplingArrays) -> SamplingArrays:
+            if sampling.allowed.shape[-1] != 0:
+                return sampling
+            shape = (*sampling.allowed.shape[:-1], mask_words(self.model_config.vocab_size))
+            if shape not in self._allow_all:
+                self._allow_all[shape] = to_devices(np.full(shape, -1, np.int32),
+                                                    self._units_sharding)
+            return dataclasses.replace(sampling, allowed=self._allow_all[shape])
+
+        return dataclasses.replace(units, decode_sampling=full(units.decode_sampling),
+                                   prefill_sampling=full(units.prefill_sampling))
+
+    def host_units(self, schedule: PipelineSchedule, *, has_mask: int = 1) -> PipelineUnits:
+        """The schedule as numpy leaves shaped for the call; without `has_mask`, the masks
+        zero words wide."""
         s, c = schedule, self.config
         D, U, R = s.decode_source.shape
 
         def sampling(arrays, rows):
+            if not has_mask:
+                arrays = dataclasses.replace(arrays, allowed=arrays.allowed[:, :0])
             flat = host_sampling(arrays, history_width=c.history_width,
                                  banned_width=c.max_stop_ids,
-                                 mask_width=mask_words(self.model_config.vocab_size))
+                                 mask_width=mask_words(self.model_config.vocab_size)
+                                 if has_mask else None)
             return jax.tree.map(lambda a: a.reshape(D, U, rows, *a.shape[1:]), flat)
 
         return PipelineUnits(decode=self._ragged(s.decode), decode_source=s.decode_source,
@@ -208,6 +240,12 @@ class PipelineRunner:
         pad = self.config.page_table_width - table.shape[-1]
         fields["page_table"] = np.pad(table, [(0, 0)] * (table.ndim - 1) + [(0, pad)])
         return RaggedBatch(**fields)
+
+
+def _has_mask(schedule: PipelineSchedule) -> int:
+    """1 if a row of the schedule samples under a structured-output mask, else 0."""
+    return int(bool(np.any(schedule.decode_sampling.is_constrained)
+                    or np.any(schedule.prefill_sampling.is_constrained)))
 
 
 def _last_stage(host: RaggedOutput, last: int) -> UnitOutputs:

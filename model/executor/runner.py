@@ -25,11 +25,19 @@ Without a layout the step runs on the default device. Knobs that change compiled
 cost a compile each): `max_num_batched_tokens`, `max_num_seqs`, `num_pages`, `page_size`,
 `max_pages_per_seq`, `max_logprobs`, `max_stop_ids`, `attention` and `context_block_pages`.
 
+Structured output's mask (`SamplingArrays.allowed`, [S, vocab words] int32) is an operand of every
+program, but a step where no row is constrained neither builds nor copies it: its call key ends in
+0 (`has_mask`), its host arrays hold a zero-width `allowed`, and `run_calls` hands the program a
+resident all-allowed mask of that bucket's shape, put on the devices once (the sampler skips the
+mask pass then anyway, by `is_constrained`). Both kinds of call run the same compiled program, so
+the mask adds no program; a constrained step copies its masks as before.
+
 Several processes (`meshserve.serving.engine.multihost`): `execute` is split into `host_call` (the
-padded host arrays of the step's compiled call, keyed by its bucket) and `run_calls` (transfer and
-dispatch). Process 0 sends each step's host arrays through `channel` before running them; the
-other processes rebuild the same shapes from the keys (`template`) and call `run_calls` with the
-arrays they received. Sampled tokens then come back replicated (`output_sharding`).
+padded host arrays of the step's compiled call, keyed by its bucket and `has_mask`) and
+`run_calls` (transfer and dispatch). Process 0 sends each step's host arrays through `channel`
+before running them; the other processes rebuild the same shapes from the keys (`template`) and
+call `run_calls` with the arrays they received. Sampled tokens then come back replicated
+(`output_sharding`).
 """
 
 from __future__ import annotations
@@ -158,7 +166,8 @@ class HostCall:
     """One compiled call's inputs on the host, padded to their bucket, and where each plan row's
     results sit in its outputs."""
 
-    key: tuple[int, int]  # (token slots per replica, has targets): the bucket
+    key: tuple[int, int, int]  # (token slots per replica, has targets, has mask); the first two
+    # are the bucket, the program's key
     arrays: tuple[RaggedBatch, SamplingArrays]  # numpy leaves
     seq_index: tuple[np.ndarray, ...]  # per sub-batch [B]: each row's sequence slot
     token_index: tuple[np.ndarray, ...]  # per sub-batch [B, W]: each row's token slots
@@ -206,6 +215,7 @@ class ModelRunner:
             replica_axes=() if layout is None else layout.replica_axes)
         self._step = compile_step(step, layout)
         self._programs: dict[tuple[int, ...], jax.stages.Compiled] = {}
+        self._allow_all: dict[tuple[int, ...], jax.Array] = {}  # resident masks, by shape
         self.last_user: object | None = None  # whoever ran the last step (engines sharing the
         # runner take turns with its KV cache)
         self.channel: PlanChannel | None = None  # a multi-process run sets it on every process
@@ -253,30 +263,38 @@ class ModelRunner:
                   sampling: Sequence[SamplingArrays]) -> HostCall:
         """The step's host arrays, flattened and padded to its bucket: exactly what its
         compiled call reads."""
-        key = self.step_key(sub_batches)
-        batch, seq_index, token_index = self._flatten(sub_batches, *key)
+        bucket = self.step_key(sub_batches)
+        batch, seq_index, token_index = self._flatten(sub_batches, *bucket)
         if any(s.banned_ids.shape[1] > self.config.max_stop_ids for s in sampling):
             raise ValueError(f"more stop token ids than max_stop_ids={self.config.max_stop_ids}")
         index = np.concatenate(seq_index) if seq_index else np.zeros(0, np.int64)
         merged = concat_sampling(sampling) if sampling else greedy_sampling(0)
-        host = self._padded_sampling(merged, key[0], index)
-        return HostCall(key=key, arrays=(batch, host), seq_index=seq_index,
+        has_mask = int(bool(np.any(merged.is_constrained)))
+        host = self._padded_sampling(merged, bucket[0], index, has_mask=has_mask)
+        return HostCall(key=(*bucket, has_mask), arrays=(batch, host), seq_index=seq_index,
                         token_index=token_index)
 
     def template(self, key: tuple[int, ...]) -> tuple[RaggedBatch, SamplingArrays]:
-        """Zero host arrays shaped like those of any call with bucket `key` (see `host_call`)."""
-        tokens, has_targets = key
+        """Zero host arrays shaped like those of any call with key `key` (see `host_call`): a
+        bucket `(tokens, has targets)`, which the program reads, or a call key with `has_mask`
+        after it (0: a zero-width mask)."""
+        tokens, has_targets, *rest = key
         batch, _, _ = self._flatten((), tokens, has_targets)
-        return batch, self._padded_sampling(greedy_sampling(0), tokens, np.zeros(0, np.int64))
+        return batch, self._padded_sampling(greedy_sampling(0), tokens, np.zeros(0, np.int64),
+                                            has_mask=rest[0] if rest else 1)
 
-    def _padded_sampling(self, merged: SamplingArrays, tokens: int,
-                         index: np.ndarray) -> SamplingArrays:
+    def _padded_sampling(self, merged: SamplingArrays, tokens: int, index: np.ndarray, *,
+                         has_mask: int) -> SamplingArrays:
         """`merged`'s rows at sequence slots `index` of a step of `tokens` slots per replica,
-        every width fixed; the other slots greedy and neutral."""
+        every width fixed; the other slots greedy and neutral. Without `has_mask`, `allowed` is
+        zero words wide (`run_calls` puts the resident mask in its place)."""
+        if not has_mask:
+            merged = dataclasses.replace(merged, allowed=merged.allowed[:, :0])
         return host_sampling(merged, rows=self.config.num_seqs(tokens) * self.num_replicas,
                              history_width=self.config.history_width,
                              banned_width=self.config.max_stop_ids,
-                             mask_width=mask_words(self.model_config.vocab_size), index=index)
+                             mask_width=mask_words(self.model_config.vocab_size) if has_mask
+                             else None, index=index)
 
     def run_calls(self, keys: Sequence[tuple[int, ...]],
                   arrays: Sequence[tuple[RaggedBatch, SamplingArrays]]) -> list:
@@ -291,14 +309,25 @@ class ModelRunner:
         outs = []
         for key, (batch, sampling) in zip(keys, arrays):
             batch, sampling = to_devices((batch, sampling), sharding)
+            if sampling.allowed.shape[1] == 0:  # no row is constrained: nothing was copied
+                sampling = dataclasses.replace(sampling, allowed=self._resident_mask(
+                    sampling.allowed.shape[0], sharding))
             out, self.cache = self.program(key)(self.params, self.cache, batch, sampling)
             outs.append(out)
         return outs
 
+    def _resident_mask(self, rows: int, sharding) -> jax.Array:
+        """An all-allowed mask of `rows` rows on the devices, copied there on first use only."""
+        shape = (rows, mask_words(self.model_config.vocab_size))
+        if shape not in self._allow_all:
+            self._allow_all[shape] = to_devices(np.full(shape, -1, np.int32), sharding)
+        return self._allow_all[shape]
+
     def program(self, key: tuple[int, ...]) -> jax.stages.Compiled:
-        """The compiled step of `key`, compiled (or loaded from the persistent compilation
-        cache) on first use. Steps call it directly, so the compiled set is exactly these."""
-        key = tuple(key)
+        """The compiled step of `key` (a bucket, or a call key: `has_mask` after the bucket
+        picks no other program), compiled (or loaded from the persistent compilation cache) on
+        first use. Steps call it directly, so the compiled set is exactly these."""
+        key = tuple(key)[:2]
         if key not in self._programs:
             sharding = None if self.layout is None else self.layout.rows
             batch, sampling = to_devices(self.template(key), sharding)
@@ -308,12 +337,14 @@ class ModelRunner:
         return self._programs[key]
 
     def warmup(self, keys: Sequence[tuple[int, int]] | None = None, *,
-               progress: bool = True) -> list[tuple[int, int]]:
-        """Compiles the step for each key (default: `config.step_keys()`); runs nothing."""
+               progress: bool = True) -> list[tuple[int, int, int]]:
+        """Compiles the step for each bucket key (default: `config.step_keys()`); runs nothing.
+        Returns the call keys those programs serve, each bucket with and without a mask (their
+        host arrays differ in size: a multi-process job warms up a broadcast of each)."""
         keys = self.config.step_keys() if keys is None else list(keys)
         for key in tqdm(keys, desc="warming up", unit="program", disable=not progress):
             self.program(key)
-        return keys
+        return [(*key[:2], has_mask) for key in keys for has_mask in (1, 0)]
 
     def _flatten(self, sub_batches: Sequence[SubBatchPlan], tokens_per_replica: int,
                  has_targets: int) -> tuple[RaggedBatch, tuple, tuple]:

@@ -1,11 +1,15 @@
 """Structured output measured: its cost in throughput, and the validity of what it produces.
 
 `compare_structured`: the same seeded requests through one continuous engine, unconstrained and
-then every request constrained, in one process; output tokens/s of both and their ratio, and the
-host time the matchers add (advancing each by its sampled token and computing its next mask)
-per step and per constrained token. The constraint is `JSON_LINES` (one JSON object per line,
-each valid against a small schema, without end): with `ignore_eos` the output goes on to its
-target length, as unconstrained output does, so both runs compute the same tokens.
+then every request constrained, in one process; output tokens/s of both and their ratio, the
+median time to first token of both and its ratio, and the host time the matchers add (advancing
+each by its sampled token and computing the next masks, every constrained row's in one parallel
+fill) per step, per step with constrained rows and per constrained token. Every constraint is
+JSON lines (`json_lines`: one JSON object per line, each valid against a schema, without end):
+with `ignore_eos` the output goes on to its target length, as unconstrained output does, so both
+runs compute the same tokens. `CONSTRAINTS` names the two sets: "json-lines", one small schema
+for every request (`JSON_LINES`), and "json-schemas", request i held to the shipped schema
+i mod 54 (`data/json_schemas.json`), so the engine serves many distinct grammars at once.
 
 `schema_validity`: each schema of a set (`data/json_schemas.json`, 54 schemas: nested objects,
 arrays, enums, bounded numbers, required and optional fields, `$ref`, `anyOf`/`oneOf`, patterns)
@@ -26,6 +30,7 @@ from meshserve.serving.bench.bench import run_offline
 from meshserve.serving.bench.workloads import BenchRequest
 from meshserve.serving.engine.core import Engine
 from meshserve.serving.engine.grammar import JSON_OPTIONS
+from meshserve.serving.engine.json_schemas import bounded_numbers
 
 LINE_SCHEMA = {"type": "object",
                "properties": {"name": {"type": "string", "maxLength": 16},
@@ -34,31 +39,61 @@ LINE_SCHEMA = {"type": "object",
                                        "maxItems": 3}},
                "required": ["name", "age", "tags"], "additionalProperties": False,
                "x-guidance": JSON_OPTIONS}  # compact, as every JSON constraint
-JSON_LINES = StructuredOutput(grammar="start: (line \"\\n\")+\nline: %json "
-                                      + json.dumps(LINE_SCHEMA))
+
+
+def json_lines(schema: dict) -> StructuredOutput:
+    """One JSON object a line, each valid against `schema` (compact, its numbers bounded as a
+    JSON schema constraint's are), lines without end."""
+    line = bounded_numbers(schema) | {"x-guidance": JSON_OPTIONS}
+    return StructuredOutput(grammar="start: (line \"\\n\")+\nline: %json " + json.dumps(line))
+
+
+JSON_LINES = json_lines(LINE_SCHEMA)
+CONSTRAINTS = ("json-lines", "json-schemas")
+
+
+def constraints(name: str) -> list[StructuredOutput]:
+    """The constraints of set `name` (`CONSTRAINTS`), request i taking entry i mod their
+    number."""
+    if name == "json-lines":
+        return [JSON_LINES]
+    if name == "json-schemas":
+        return [json_lines(entry["schema"]) for entry in load_schemas()]
+    raise ValueError(f"unknown constraint set {name!r}; one of {', '.join(CONSTRAINTS)}")
 
 
 def compare_structured(engine: Engine, requests: Sequence[BenchRequest], *,
-                       structured: StructuredOutput = JSON_LINES,
+                       structured: StructuredOutput | Sequence[StructuredOutput] = JSON_LINES,
                        progress: bool = False) -> dict[str, Any]:
-    """`requests` unconstrained, then each constrained by `structured`, on `engine`. Each run
-    starts with an empty prefix cache, so the second does not find the first's prompts."""
+    """`requests` unconstrained, then each constrained by `structured` (request i by entry
+    i mod their number, when several), on `engine`. Each run starts with an empty prefix cache,
+    so the second does not find the first's prompts."""
+    given = [structured] if isinstance(structured, StructuredOutput) else list(structured)
     scheduler = engine.scheduler
     scheduler.forget_prefixes()
     plain = run_offline(engine, list(requests), progress=progress)
     scheduler.forget_prefixes()
     seconds, advances = scheduler.constraint_seconds, scheduler.num_constraint_advances
-    constrained = run_offline(engine, [dataclasses.replace(r, structured=structured)
-                                       for r in requests], progress=progress)
+    batches = scheduler.num_constraint_batches
+    constrained = run_offline(engine, [dataclasses.replace(r, structured=given[i % len(given)])
+                                       for i, r in enumerate(requests)], progress=progress)
     seconds = scheduler.constraint_seconds - seconds
     advances = scheduler.num_constraint_advances - advances
+    batches = scheduler.num_constraint_batches - batches
+    ttfts = [run["ttft_s"]["median"] for run in (plain, constrained)]
     return {
-        "constraint": structured.key[1], "order": ["unconstrained", "constrained"],
+        "constraint": given[0].key[1] if len(given) == 1 else
+        f"{len(given)} distinct constraints, request i taking the (i mod {len(given)})-th",
+        "order": ["unconstrained", "constrained"],
         "unconstrained": plain, "constrained": constrained,
         "ratio_output_tokens_per_s": (constrained["output_tokens_per_s"]
                                       / plain["output_tokens_per_s"]),
+        "ttft_p50_s": {"unconstrained": ttfts[0], "constrained": ttfts[1]},
+        "ratio_ttft_p50": ttfts[1] / ttfts[0] if ttfts[0] else None,
         "matcher_seconds": seconds, "matcher_advances": advances,
         "matcher_ms_per_step": 1e3 * seconds / max(constrained["num_steps"], 1),
+        "mask_steps": batches,  # steps in which constrained rows took tokens
+        "mask_ms_per_constrained_step": 1e3 * seconds / max(batches, 1),
         "matcher_us_per_token": 1e6 * seconds / max(advances, 1),
         "matcher_share_of_wall": seconds / constrained["wall_s"],
     }

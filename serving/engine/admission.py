@@ -29,7 +29,8 @@ The checks, in order:
                sampler's table beside the EOS ids), logprobs and prompt_logprobs up to the
                engine's max_logprobs, and a structured-output constraint, compiled (once per
                distinct constraint) and started: one that ends before its first token (nothing can
-               satisfy it, or only an empty output does) is refused.
+               satisfy it, or only an empty output does) is refused. A JSON constraint that
+               leaves a bound unset takes the engine's (`json_bounds`).
 
 The scheduler keeps its own fit check (`Scheduler.add`) as an invariant of the pages it hands
 out: it never fires for an admitted request. An `Admission` reads only the engine's settings,
@@ -117,8 +118,12 @@ class Admission:
 
     def __init__(self, *, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
                  max_logprobs: int, max_stop_ids: int, eos_token_ids: Sequence[int],
-                 page_size: int, cache_pages: int, max_prompt_tokens: int | None = None):
+                 page_size: int, cache_pages: int, max_prompt_tokens: int | None = None,
+                 json_bounds: Mapping[str, int | None] | None = None):
+        """`json_bounds`: the engine's default bounds of JSON constraints, by
+        `StructuredOutput` field (`max_string_length`, `max_integer_digits`)."""
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.json_bounds = dict(json_bounds or {})
         self.max_model_len, self.max_logprobs = max_model_len, max_logprobs
         self.max_stop_ids, self.eos_token_ids = max_stop_ids, tuple(eos_token_ids)
         self.page_size, self.cache_pages = page_size, cache_pages
@@ -238,7 +243,7 @@ class Admission:
     def _constraint(self, params: SamplingParams) -> Constraint:
         """A new request's matcher, its first mask ready. A constraint that ends before its
         first token (nothing can satisfy it, or only an empty output does) is refused."""
-        structured = params.structured
+        structured = params.structured.with_default_bounds(**self.json_bounds)
         where = f"structured.{structured.kind}"
         try:
             matcher = self.grammars().matcher(structured)

@@ -10,7 +10,8 @@ checked it on its own thread (`Admission.admit`) queues the `Admitted` request w
 which checks nothing again. A request with structured output (`SamplingParams.structured`) comes
 with a matcher of its own (`Request.constraint`, its constraint compiled once per distinct
 constraint by the admission's `GrammarCompiler`), which the scheduler advances with each sampled
-token and whose mask each plan carries to the device sampler.
+token and whose mask each plan carries to the device sampler; a step's constrained requests have
+their next masks computed together (`grammar.fill_masks`, the library's parallel fill).
 
 The scheduler owns each request's tokens, pages, token-level stops and preemption; a `Stream`
 (`serving/engine/streams.py`) owns what the caller sees of it: text, stop strings and logprobs. The
@@ -34,9 +35,10 @@ import numpy as np
 
 from meshserve.batching.pipeline_schedule import PLACEHOLDER, PipelineSchedule, build_schedule
 from meshserve.batching.plan import StepPlan
-from meshserve.batching.request import Request, RequestStatus, constrained_stop, stop_status_at
+from meshserve.batching.request import Request, constrained_stop, stop_status_at
 from meshserve.batching.sampling import SamplingParams
-from meshserve.batching.scheduler import Scheduler
+from meshserve.batching.scheduler import Scheduler, takes_token
+from meshserve.batching.structured import BOUNDS
 from meshserve.model.loading.hub import cache_root
 from meshserve.batching.runner_protocol import Runner, SampledRows, StepRunner
 from meshserve.model.executor.runner import CompileCounter, ModelRunner, enable_compilation_cache
@@ -46,6 +48,7 @@ from meshserve.model.tokenizer import Tokenizer
 from meshserve.model.transformer import for_context
 from meshserve.serving.engine.admission import Admission, Admitted, Prompt
 from meshserve.serving.engine.engine_config import EngineConfig
+from meshserve.serving.engine.grammar import fill_masks
 from meshserve.serving.engine.multihost import payload_sizes
 from meshserve.serving.engine.outputs import RequestOutput
 from meshserve.serving.engine.streams import Stream
@@ -68,14 +71,15 @@ class Engine:
         self.scheduler = Scheduler(
             config.scheduler_config(eos, num_replicas=runner.num_replicas,
                                     attention_window=runner.model_config.attention_window),
-            predictor=config.make_length_predictor())
+            predictor=config.make_length_predictor(), fill_masks=fill_masks)
         self.admission = Admission(
             tokenizer=tokenizer, vocab_size=self.model_config.vocab_size,
             max_model_len=config.max_model_len, max_logprobs=config.max_logprobs,
             max_stop_ids=runner.config.max_stop_ids,
             eos_token_ids=self.scheduler.config.eos_token_ids,
             page_size=self.scheduler.config.page_size,
-            cache_pages=self.scheduler.allocators[0].num_total)
+            cache_pages=self.scheduler.allocators[0].num_total,
+            json_bounds={name: getattr(config, f"structured_{name}") for name in BOUNDS})
         self._streams: dict[str, Stream] = {}
         self._ids = itertools.count()
         self.stats = EngineStats()
@@ -203,9 +207,11 @@ class Engine:
 
         The scheduler plans round k + 1 before round k's tokens exist: its outputs are
         PLACEHOLDERs, which the device fills by feedback. Planning stops early after a
-        preemption (a recomputed prompt must not contain placeholders), after any round
-        with a penalty (penalties read every earlier token), and after any round that samples a
-        constrained request (its next mask needs the token that round samples).
+        preemption (a recomputed prompt must not contain placeholders) and after any round
+        with a penalty (penalties read every earlier token). A constrained request takes one
+        token a call: once a round samples it, the later rounds leave it out
+        (`Request.awaits_output`), since its next mask needs that token, while the other rows
+        go on for every round.
         """
         plans, shape = [], self.runner.shape
         while len(plans) < self.config.pipeline_rounds:
@@ -218,7 +224,6 @@ class Engine:
                                          for b in plan.sub_batches])
             laid_out = build_schedule(plans, shape, bubble_filling=self.config.bubble_filling)
             if (self.scheduler.num_preemptions != preemptions or _has_penalty(plan)
-                    or self._samples_constrained(plan)
                     or laid_out.num_units + self.config.units_per_round() > shape.num_units):
                 break
         if not plans:
@@ -231,18 +236,13 @@ class Engine:
         self.stats.device_wait_seconds += self.runner.last_wait_seconds
         return self._resolve(plans, results)
 
-    def _samples_constrained(self, plan: StepPlan) -> bool:
-        """Whether a row of `plan` samples an output of a constrained request."""
-        for row in plan.real_rows():
-            request = self.scheduler.get(row.request_id)
-            if row.is_sampled and request is not None and request.constraint is not None:
-                return True
-        return False
-
     def _resolve(self, plans: Sequence[StepPlan], results) -> list[RequestOutput]:
         """Fills each placeholder output with its sampled token, round by round; a token that
-        stops its request (EOS, a stop id) cuts off what the later rounds generated."""
+        stops its request (EOS, a stop id) cuts off what the later rounds generated. The
+        constrained requests' matchers take their tokens together at the end (one mask fill):
+        each sampled once in the call (`Request.awaits_output`), so no later round is cut."""
         touched: dict[str, Stream] = {}
+        pending = []
         eos = self.scheduler.config.eos_token_ids
         for plan, batches in zip(plans, results):
             for row in plan.real_rows():
@@ -256,14 +256,21 @@ class Engine:
                 index = int(plan.sampling[row.batch].steps[row.row])
                 if index >= len(request.output_token_ids):
                     continue  # generated after a stop: discarded
-                end = self.scheduler.set_output(request, index, int(rows.tokens[row.row]))
+                token = int(rows.tokens[row.row])
+                self.scheduler.set_output(request, index, token)
                 stream.record_token(rows, row.row)
                 touched.setdefault(row.request_id, stream)
                 stop = stop_status_at(request, index, eos)
-                if stop is None or stop[0] is RequestStatus.FINISHED_LENGTH:
-                    stop = constrained_stop(request, stop, end)
-                if stop is not None:
+                if takes_token(request, token, stop):
+                    pending.append((request, index, token, stop))
+                elif stop is not None:
                     self.scheduler.end_at(request, index + 1, *stop)
+        assert len({id(r) for r, *_ in pending}) == len(pending), "one token a call each"
+        ends = self.scheduler.advance_constraints([(r, token) for r, _, token, _ in pending])
+        for (request, index, _, stop), end in zip(pending, ends):
+            stop = constrained_stop(request, stop, end)
+            if stop is not None:
+                self.scheduler.end_at(request, index + 1, *stop)
         return [self._output(stream) for stream in touched.values()]
 
     def _output(self, stream: Stream) -> RequestOutput:

@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 from meshserve.batching.knobs import SchedulerConfig, SchedulingKnobs, knob, same_knob
 from meshserve.batching.pipeline_schedule import UnitShape
+from meshserve.batching.structured import BOUNDS, check_bound
 from meshserve.model.length_predictor import LearnedPredictor
 from meshserve.model.quant_formats import SCHEMES
 from meshserve.model.executor.runner import RunnerConfig
@@ -56,6 +57,12 @@ class EngineConfig(SchedulingKnobs):
                                    "in (1 for a call with a penalty)", compile=True)
     bubble_filling: bool = knob(True, "stage > 1: overlap rounds and fill idle stage slots with "
                                       "prefill chunks; off: every round fills and drains")
+    structured_max_string_length: int | None = knob(
+        None, "JSON constraints a request leaves unbounded: the longest string or free object "
+              "key, in characters; unset: none")
+    structured_max_integer_digits: int | None = knob(
+        None, "JSON constraints a request leaves unbounded: the most digits before a number's "
+              "point; unset: none")
     warmup: bool = knob(True, "compile every bucket at start")
     compilation_cache: bool = knob(True, "keep compiled programs in <cache dir>/xla across runs "
                                          "(process-wide: once on, on for every engine)")
@@ -68,6 +75,8 @@ class EngineConfig(SchedulingKnobs):
             raise ValueError("length_predictor is used only with ordering='predicted'")
         if self.quantization not in SCHEMES:
             raise ValueError(f"quantization must be one of {SCHEMES}, got {self.quantization!r}")
+        for name in BOUNDS:
+            check_bound(f"structured_{name}", name, getattr(self, f"structured_{name}"))
         if not isinstance(self.pipeline_rounds, int) or self.pipeline_rounds < 1:
             raise ValueError(f"pipeline_rounds must be >= 1, got {self.pipeline_rounds}")
         if self.native_kernels and self.mesh_config.num_devices > 1:

@@ -10,10 +10,10 @@ Why llguidance: on SmolLM2's vocabulary its mask and its compiles cost little be
 torch, it has no dependencies, and one abi3 wheel serves Python 3.11 and 3.12.
 
 JSON is compact (`", "` and `": "` between items, no other whitespace): a small model given
-free whitespace can spend its whole budget on newlines. For the same reason a JSON number has at
-most `MAX_FRACTION_DIGITS` digits after the point (a `multipleOf` added to every number the
-schema leaves open, which only narrows what is valid): SmolLM2 writes digits one token at a time
-and, unbounded, can repeat them until max_tokens.
+free whitespace can spend its whole budget on newlines. The schema a JSON constraint compiles is
+first rewritten by `meshserve.serving.engine.json_schemas`: every number it types has at most 8
+digits after its point, and a constraint's bounds (longest string, most integer digits) are
+written in as schema keywords.
 
 Closing (`LLGuidanceMatcher.num_closing_tokens`): a shortest completion of the output from where
 it stands, in tokens, which the request's `Constraint` keeps room for within max_tokens
@@ -33,6 +33,11 @@ completion takes a byte later in the order it may be longer than the shortest, n
 Each step checks that the last closing found still completes the output (one validation, no
 walk), and walks again only when it does not.
 
+Masks of many matchers at once (`fill_masks`, the scheduler's `MaskFiller`): one call of the
+library's parallel fill (`llguidance.numpy.fill_next_token_bitmask_par`, on its thread pool,
+`LLExecutor`, made on first use), so a step's constrained rows cost one call from Python, their
+masks computed side by side; a single matcher, or one of another kind, fills its own.
+
 Thread-safe: the admission check makes matchers on the front ends' threads. This is the only module
 that imports llguidance.
 """
@@ -47,18 +52,13 @@ import threading
 from typing import Sequence
 
 import llguidance
+import llguidance.numpy
 import numpy as np
 
 from meshserve.batching.structured import StructuredOutput
+from meshserve.serving.engine.json_schemas import ANY_OBJECT_SCHEMA, bounded_schema
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-MAX_FRACTION_DIGITS = 8
-_ANY_VALUE = {"anyOf": [{"type": "object", "additionalProperties": {"$ref": "#/$defs/value"}},
-                        {"type": "array", "items": {"$ref": "#/$defs/value"}},
-                        {"type": "string"}, {"type": "number"}, {"type": "boolean"},
-                        {"type": "null"}]}
-ANY_OBJECT_SCHEMA = {"type": "object", "additionalProperties": {"$ref": "#/$defs/value"},
-                     "$defs": {"value": _ANY_VALUE}}
 MAX_REASON_CHARS = 2000  # of the library's message, which can hold a parser state dump
 MAX_CLOSING_BYTES = 512
 CLOSERS = b'"}])'
@@ -238,6 +238,32 @@ class LLGuidanceMatcher:
         return _reason(self._matcher.get_error())
 
 
+_EXECUTOR: llguidance.LLExecutor | None = None
+_EXECUTOR_LOCK = threading.Lock()
+
+
+def fill_masks(matchers: Sequence, out: np.ndarray) -> None:
+    """The next-token masks of `matchers` into the rows of `out` (int32 [n, words]), the
+    library's matchers in one parallel fill (see the module docstring)."""
+    assert out.dtype == np.int32 and out.flags["C_CONTIGUOUS"] and out.shape[0] == len(matchers)
+    ours = [(m._matcher, row) for row, m in enumerate(matchers)
+            if isinstance(m, LLGuidanceMatcher)]
+    for row, matcher in enumerate(matchers):
+        if len(ours) < 2 or not isinstance(matcher, LLGuidanceMatcher):
+            matcher.fill_mask(out[row])
+    if len(ours) >= 2:
+        llguidance.numpy.fill_next_token_bitmask_par(_executor(), ours, out)
+
+
+def _executor() -> llguidance.LLExecutor:
+    """The library's thread pool for parallel fills, one per process, made on first use."""
+    global _EXECUTOR
+    with _EXECUTOR_LOCK:
+        if _EXECUTOR is None:
+            _EXECUTOR = llguidance.LLExecutor()
+        return _EXECUTOR
+
+
 def _walk(matcher: llguidance.LLMatcher, byte_ids: list[int | None],
           markers: dict[bytes, int] | None = None, *, compare_closers: bool) -> bytes | None:
     """The bytes from the matcher's state to an accepting one (module docstring); the matcher is
@@ -384,12 +410,13 @@ class GrammarCompiler:
 def _grammar(structured: StructuredOutput) -> str:
     """The constraint as an llguidance grammar (not yet checked: compiling does that)."""
     kind = structured.kind
-    if kind == "json_schema":
+    if kind in ("json_schema", "json_object"):
+        schema = (json.loads(structured.json_schema) if kind == "json_schema"
+                  else ANY_OBJECT_SCHEMA)
         return llguidance.LLMatcher.grammar_from_json_schema(
-            bounded_numbers(json.loads(structured.json_schema)), defaults=JSON_OPTIONS)
-    if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema(bounded_numbers(ANY_OBJECT_SCHEMA),
-                                                             defaults=JSON_OPTIONS)
+            bounded_schema(schema, max_string_length=structured.max_string_length,
+                           max_integer_digits=structured.max_integer_digits),
+            defaults=JSON_OPTIONS)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(structured.regex)
     if kind == "choice":
@@ -401,25 +428,6 @@ def _grammar(structured: StructuredOutput) -> str:
 
 
 _TOKEN_NAMES = re.compile(r"<\[([0-9,\-]+)\]>")
-_DATA_KEYWORDS = ("enum", "const", "default", "examples")  # values, not schemas
-
-
-def bounded_numbers(schema):
-    """`schema` with `multipleOf: 10**-MAX_FRACTION_DIGITS` on every number type that has no
-    `multipleOf` (see the module docstring); everything else as it is."""
-    if isinstance(schema, list):
-        return [bounded_numbers(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {key: value if key in _DATA_KEYWORDS else bounded_numbers(value)
-           for key, value in schema.items()}
-    types = schema.get("type")
-    is_number = types == "number" or (isinstance(types, list) and "number" in types)
-    if is_number and "multipleOf" not in schema:
-        out["multipleOf"] = 10.0 ** -MAX_FRACTION_DIGITS
-    return out
-
-
 def _reason(message: str) -> str:
     """The library's message without its parser state dump, bounded."""
     message = message.split("\n<state>", 1)[0].strip()

@@ -12,6 +12,11 @@ Histograms (seconds):
     meshserve:e2e_request_latency_seconds   arrival -> finish, one per request the engine finished
                                             ("stop" or "length"; aborts are not timed)
     meshserve:step_duration_seconds         wall time of each engine step that ran
+    meshserve:structured_mask_seconds       host time of each engine step (pipeline call) whose
+                                            constrained requests took tokens: their matchers
+                                            advancing and their next masks computed, all rows'
+                                            masks in one parallel fill (its sum over its count
+                                            is the mean per such step)
     (vLLM's request_queue_time_seconds is not exported: RequestMetrics does not record when a
     request was first scheduled.)
 
@@ -84,6 +89,9 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0
                0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# Matchers and masks of a step's constrained rows: tens of microseconds a row on the host.
+MASK_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
+                0.025, 0.05, 0.1, 0.25, 1.0)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25,
                 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -125,6 +133,9 @@ class ServerMetrics:
             E2E_BUCKETS)
         self.step_duration = histogram(
             "step_duration_seconds", "Wall time of one engine step.", STEP_BUCKETS)
+        self.structured_mask = histogram(
+            "structured_mask_seconds", "Host time of one step's structured-output matchers and "
+            "masks, on steps with constrained rows.", MASK_BUCKETS)
 
         self.num_requests_running = gauge("num_requests_running", "Requests holding a seat.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests queued.")
@@ -171,6 +182,8 @@ class ServerMetrics:
         self._num_window_freed = 0
         self._compiles = 0
         self._broadcast_seconds = 0.0
+        self._constraint_seconds = 0.0
+        self._constraint_batches = 0
         self._http: tuple | None = None  # (server, thread) of start_http_server
 
     # -- the engine loop ------------------------------------------------------------------------
@@ -191,6 +204,12 @@ class ServerMetrics:
         self._num_window_freed = _add_growth(self.window_freed_pages, self._num_window_freed,
                                              scheduler.num_window_freed_pages)
         self._compiles = _add_growth(self.recompiles, self._compiles, stats.compiles_after_warmup)
+        num_batches = scheduler.num_constraint_batches - self._constraint_batches
+        for _ in range(num_batches):  # one a step; where steps went unobserved, their mean
+            self.structured_mask.observe(
+                (scheduler.constraint_seconds - self._constraint_seconds) / num_batches)
+        self._constraint_batches = scheduler.num_constraint_batches
+        self._constraint_seconds = scheduler.constraint_seconds
         channel = engine.runner.channel
         if channel is not None:
             self._broadcast_seconds = _add_growth(self.plan_broadcast_seconds,

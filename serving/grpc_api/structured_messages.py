@@ -12,6 +12,12 @@ from meshserve.serving.grpc_api.stubs import generation_pb2 as pb
 
 
 def structured_message(structured: StructuredOutput) -> pb.StructuredOutput:
+    """The message of `structured`; bounds have no field on the wire, so a constraint with any
+    is refused rather than sent without them (the server's defaults apply on gRPC)."""
+    if any(bound is not None for bound in structured.bounds):
+        raise ValueError("structured: max_string_length and max_integer_digits do not travel "
+                         "over gRPC; set them on the server (--structured-max-string-length, "
+                         "--structured-max-integer-digits) or use the HTTP API")
     kind = structured.kind
     if kind == "choice":
         return pb.StructuredOutput(choice=pb.Choice(options=list(structured.choice)))

@@ -1,10 +1,10 @@
-"""The OpenAI request's field table: every field of OpenAI's chat and completions requests and of
-vLLM's extras, with its verdict.
+"""The OpenAI request's field table: every field of OpenAI's chat and completions requests, of
+vLLM's extras and of meshserve's own extension, with its verdict.
 
-`FIELDS` is the one table. A row names a field, where it comes from (OpenAI or vLLM), the
-endpoints that take it and its verdict:
+`FIELDS` is the one table. A row names a field, where it comes from (OpenAI, vLLM or meshserve),
+the endpoints that take it and its verdict:
 
-    honoured  the field does what OpenAI (or vLLM) documents;
+    honoured  the field does what OpenAI (or vLLM) documents (meshserve's: what its note says);
     accepted  the field is checked, and changes nothing a client gets back here (an end-user id,
               a prompt-cache hint: prefix caching is automatic and never changes an output);
     refused   a value other than a neutral one (one that changes nothing, such as the default)
@@ -213,6 +213,14 @@ FIELDS: tuple[Field, ...] = (
           f"{', '.join(BACKENDS)}: llguidance constrains the output", backend),
     refused("guided_whitespace_pattern", "JSON is written compact, no other whitespace",
             origin="vLLM"),
+    # -- meshserve ------------------------------------------------------------------------------
+    honoured("structured_bounds", "bounds of the request's JSON constraint (a JSON schema or "
+             "object from any field above, or a tool call written as JSON): "
+             "`{\"max_string_length\": N, \"max_integer_digits\": D}`, either or both; no "
+             "string or free key longer than N characters, no number with more than D digits "
+             "before its point. One left out is the server's (`--structured-max-string-length`, "
+             "`--structured-max-integer-digits`); none unless it sets them",
+             json_value((dict,)), origin="meshserve"),
 )
 FIELDS_BY_NAME: dict[str, Field] = {f.name: f for f in FIELDS}
 assert len(FIELDS_BY_NAME) == len(FIELDS), "a field has two rows"
@@ -223,7 +231,7 @@ SAMPLING = tuple(f for f in FIELDS if f.sampling)
 # engine's chat template is known (tool_choice auto depends on it).
 STRUCTURED_FIELDS = ("response_format", "tools", "tool_choice", "parallel_tool_calls",
                      "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                     "guided_grammar")
+                     "guided_grammar", "structured_bounds")
 # The honoured fields `request_model._build` reads, besides those that set a `SamplingParams`
 # field: a row made honoured needs its use in `_build` and its name here, or it would be taken and
 # do nothing.

@@ -14,6 +14,9 @@ tool calls, a `ToolCalls` plan. The fields, each mapped to the same engine const
     structured_outputs {"json" | "regex" | "choice" |        vLLM's newer form
         "grammar" | "json_object"}
     tools, tool_choice, parallel_tool_calls                   tool calls (below)
+    structured_bounds {"max_string_length",                   meshserve's: bounds of the JSON
+        "max_integer_digits"}                                constraint any of the above asks
+                                                             for (`StructuredOutput`'s)
 
 Only one of them per request; two are refused naming both. The objects these fields hold take
 the keys OpenAI's API defines for them and no other (`check_keys`): an unknown key is refused by
@@ -44,7 +47,7 @@ import dataclasses
 import json
 import re
 
-from meshserve.batching.structured import StructuredOutput
+from meshserve.batching.structured import BOUNDS, JSON_KINDS, StructuredOutput, check_bound
 from meshserve.serving.openai_api.tool_calls import CallParser, ChatTools, chat_tools, tool_call_id
 
 NO_TEMPLATE = chat_tools(None)
@@ -220,7 +223,33 @@ def read_structured(body: dict, *, chat: bool, chat_tools: ChatTools = NO_TEMPLA
     if len(found) > 1:
         names = " and ".join(name for name, _ in found)
         raise FieldError(found[1][0], f"{names} each constrain the output: send one")
-    return (found[0][1] if found else None), tools
+    structured = found[0][1] if found else None
+    if body.get("structured_bounds") is not None:
+        structured = _bounded(structured, body["structured_bounds"], tools)
+    return structured, tools
+
+
+def _bounded(structured: StructuredOutput | None, bounds: dict,
+             tools: ToolCalls | None) -> StructuredOutput:
+    """The request's JSON constraint with `structured_bounds` (`batching/structured.py`)."""
+    where = "structured_bounds"
+    check_keys(where, bounds, BOUNDS)
+    for name, value in bounds.items():
+        try:
+            check_bound(f"{where}.{name}", name, value)
+        except ValueError as err:
+            raise FieldError(f"{where}.{name}", str(err)) from None
+    if structured is None:
+        raise FieldError(where, "structured_bounds bounds a JSON constraint, and this request "
+                                "asks for none: send it with response_format, guided_json, "
+                                "structured_outputs or tools")
+    if structured.kind not in JSON_KINDS:
+        what = ("tool calls in the model's own format, a grammar" if tools is not None
+                else f"a {structured.kind}")
+        raise FieldError(where, f"structured_bounds bounds JSON, and this request's constraint "
+                                f"is {what}: write the limits into it")
+    return dataclasses.replace(structured, **{name: value for name, value in bounds.items()
+                                              if value is not None})
 
 
 def _response_format(value) -> StructuredOutput | None:

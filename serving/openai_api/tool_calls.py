@@ -40,7 +40,8 @@ import re
 import uuid
 from typing import Sequence
 
-from meshserve.serving.engine.grammar import JSON_OPTIONS, bounded_numbers
+from meshserve.serving.engine.grammar import JSON_OPTIONS
+from meshserve.serving.engine.json_schemas import bounded_numbers
 
 
 @dataclasses.dataclass(frozen=True)

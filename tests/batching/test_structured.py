@@ -61,3 +61,28 @@ def test_mask_words_and_allowed_ids_use_the_packed_layout():
     mask = np.zeros(2, np.int32)
     mask.view(np.uint32)[:] = [(1 << 0) | (1 << 31), 1 << 5]  # bit t % 32 of word t // 32
     assert allowed_ids(mask).tolist() == [0, 31, 37]
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"json_object": True, "max_string_length": 0}, r"max_string_length must be in \[1, 65536\]"),
+    ({"json_object": True, "max_integer_digits": 16}, r"max_integer_digits must be in \[1, 15\]"),
+    ({"json_object": True, "max_string_length": True}, "max_string_length must be an int"),
+    ({"regex": "a+", "max_integer_digits": 3}, "bounds JSON .* not regex"),
+    ({"grammar": 'start: "x"', "max_string_length": 3}, "bounds JSON .* not grammar"),
+])
+def test_bounds_are_checked_and_for_json_only(fields, message):
+    with pytest.raises(ValueError, match=message):
+        StructuredOutput(**fields)
+
+
+def test_bounds_are_part_of_the_key_and_the_engines_fill_only_the_unset_ones():
+    plain = StructuredOutput(json_schema=SCHEMA)
+    bounded = StructuredOutput(json_schema=SCHEMA, max_string_length=8)
+    assert plain.key != bounded.key and bounded.key[2] == (8, None)
+    defaults = {"max_string_length": 4, "max_integer_digits": 3}
+    assert plain.with_default_bounds(**defaults).bounds == (4, 3)
+    assert bounded.with_default_bounds(**defaults).bounds == (8, 3)
+    regex = StructuredOutput(regex="a+")
+    assert regex.with_default_bounds(**defaults) is regex
+    assert SamplingParams(structured={"json_object": True,
+                                      "max_integer_digits": 2}).structured.bounds == (None, 2)

@@ -153,3 +153,64 @@ def test_json_numbers_stop_after_eight_fraction_digits(compiler, tokenizer):
             constraint = _constraint(compiler, structured)
             ends = [constraint.advance(t) for t in tokenizer.encode(text, add_special_tokens=False)]
             assert (ends[-1] == ("stop", None)) is is_ok, (structured.kind, text, ends[-1])
+
+
+def test_masks_of_many_matchers_filled_at_once_are_each_ones_own(compiler, tokenizer):
+    """The library's parallel fill gives every matcher the mask it gives alone: one just
+    started, one mid-string, one complete (stopped) and one dead."""
+    from meshserve.batching.structured import fill_each
+    from meshserve.serving.engine.grammar import fill_masks
+
+    matchers = [compiler.matcher(StructuredOutput(json_schema=SCHEMA)) for _ in range(2)]
+    matchers += [compiler.matcher(StructuredOutput(choice=["yes", "no"])) for _ in range(2)]
+    for token in tokenizer.encode('{"name": "A', add_special_tokens=False):
+        assert matchers[1].advance(token)
+    for token in tokenizer.encode("no", add_special_tokens=False):
+        assert matchers[2].advance(token)
+    assert matchers[2].is_stopped()
+    assert not matchers[3].advance(tokenizer.encode("maybe", add_special_tokens=False)[0])
+    together = np.zeros((len(matchers), mask_words(49152)), np.int32)
+    alone = np.zeros_like(together)
+    fill_masks(matchers, together)
+    fill_each(matchers, alone)
+    np.testing.assert_array_equal(together, alone)
+    assert len({row.tobytes() for row in together[:2]}) == 2  # the rows are not one mask
+
+
+def test_a_step_advances_its_constrained_rows_and_fills_their_masks_together(compiler,
+                                                                             tokenizer):
+    """One `MaskFiller` call a step, holding every constrained row's matcher; the masks it
+    fills are the ones each request then carries."""
+    from meshserve.batching.knobs import SchedulerConfig
+    from meshserve.batching.scheduler import Scheduler
+    from meshserve.serving.engine.grammar import fill_masks
+
+    calls = []
+
+    def spy(matchers, out):
+        calls.append(len(matchers))
+        fill_masks(matchers, out)
+
+    scheduler = Scheduler(SchedulerConfig(num_pages=16, page_size=4, max_num_seqs=4,
+                                          max_num_batched_tokens=16, prefill_chunk=16,
+                                          max_model_len=32, eos_token_ids=(2,)), fill_masks=spy)
+    requests = []
+    for i, structured in enumerate([StructuredOutput(json_schema=SCHEMA),
+                                    StructuredOutput(regex="[a-z]+"), None]):
+        request = Request(request_id=str(i), prompt_token_ids=[5, 6, 7],
+                          params=SamplingParams(max_tokens=8, structured=structured))
+        if structured is not None:
+            request.constraint = _constraint(compiler, structured)
+        scheduler.add(request)
+        requests.append(request)
+    brace, letter = (tokenizer.encode(text, add_special_tokens=False)[0] for text in ("{", "a"))
+    plan = scheduler.schedule()
+    scheduler.update(plan, [np.array([brace, letter, letter], np.int32)])
+    assert calls == [2] and scheduler.num_constraint_batches == 1
+    assert scheduler.num_constraint_advances == 2
+    for request in requests[:2]:
+        alone = np.zeros(mask_words(49152), np.int32)
+        request.constraint.matcher.fill_mask(alone)
+        np.testing.assert_array_equal(request.constraint.mask, alone)
+    texts = _texts(tokenizer, requests[0].constraint.mask)  # after "{": the first key
+    assert texts and all(text.startswith('"') for text in texts), texts

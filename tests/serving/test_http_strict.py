@@ -309,7 +309,7 @@ def test_every_honoured_completions_field_is_served(fake, monkeypatch):
     served = {f.name for f in FIELDS if f.verdict != "refused" and "completions" in f.endpoints}
     assert served - set(body) == {"stop", "stream_options", "response_format",
                                   "structured_outputs", "guided_json", "guided_regex",
-                                  "guided_choice", "guided_grammar"}
+                                  "guided_choice", "guided_grammar", "structured_bounds"}
     scheduled = _record_scheduled(fake, monkeypatch)
     status, _, answer = _post(fake.http_port, "/v1/completions", body)
     assert status == 200, answer

@@ -34,6 +34,11 @@ TIME = {"type": "function", "function": {"name": "get_time"}}
     ({"structured_outputs": {"grammar": 'start: "x"'}}, StructuredOutput(grammar='start: "x"')),
     ({"structured_outputs": {"json_object": True}}, StructuredOutput(json_object=True)),
     ({"tools": [WEATHER], "tool_choice": "none"}, None),
+    ({"response_format": {"type": "json_object"}, "structured_bounds": {"max_string_length": 9}},
+     StructuredOutput(json_object=True, max_string_length=9)),
+    ({"guided_json": SCHEMA, "structured_bounds": {"max_integer_digits": 4,
+                                                   "max_string_length": None}},
+     StructuredOutput(json_schema=SCHEMA, max_integer_digits=4)),
 ])
 def test_each_form_maps_to_its_constraint(body, expected):
     structured, tools = read_structured(body, chat=True)
@@ -68,6 +73,16 @@ def test_each_form_maps_to_its_constraint(body, expected):
      '"type": "function"'),
     ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "tool_choice",
      "guided_regex and tool_choice each constrain"),
+    ({"structured_bounds": {"max_string_length": 8}}, "structured_bounds",
+     "this request asks for none"),
+    ({"guided_regex": "a+", "structured_bounds": {"max_string_length": 8}}, "structured_bounds",
+     "this request's constraint is a regex"),
+    ({"guided_json": SCHEMA, "structured_bounds": {"max_length": 8}},
+     "structured_bounds.max_length", "its fields are max_string_length, max_integer_digits"),
+    ({"guided_json": SCHEMA, "structured_bounds": {"max_integer_digits": 0}},
+     "structured_bounds.max_integer_digits", "must be in [1, 15], got 0"),
+    ({"guided_json": SCHEMA, "structured_bounds": {"max_string_length": "8"}},
+     "structured_bounds.max_string_length", "must be an int"),
 ])
 def test_bad_fields_are_refused_by_name(body, param, message):
     with pytest.raises(FieldError) as error:
@@ -146,3 +161,19 @@ def test_the_request_model_reads_tool_history_and_the_backend():
         with pytest.raises(RequestError) as error:
             parse_request({"messages": [{"role": "user", "content": "x"}]} | body, "chat")
         assert error.value.param == param, error.value.message
+
+
+def test_structured_bounds_is_a_field_of_both_endpoints_and_bounds_a_json_tool_call():
+    from meshserve.serving.openai_api.request_model import parse_request
+
+    for endpoint, prompt in (("chat", {"messages": [{"role": "user", "content": "hi"}]}),
+                             ("completions", {"prompt": "hi"})):
+        request = parse_request(prompt | {"guided_json": SCHEMA,
+                                          "structured_bounds": {"max_string_length": 3}},
+                                endpoint)
+        structured, _ = read_structured(request.structured_fields, chat=endpoint == "chat")
+        assert structured == StructuredOutput(json_schema=SCHEMA, max_string_length=3)
+    structured, tools = read_structured({"tools": [WEATHER], "tool_choice": "required",
+                                         "structured_bounds": {"max_integer_digits": 2}},
+                                        chat=True)
+    assert structured.kind == "json_schema" and structured.max_integer_digits == 2

@@ -123,13 +123,50 @@ def test_refusals_name_the_field(engine, tokenizer):
     assert not engine.has_unfinished()
 
 
-def test_pipeline_stages_give_one_devices_tokens(model, tokenizer, engine):
-    requests = _requests(tokenizer, 0.8, max_tokens=48)
-    staged = Engine.from_model(model, tokenizer, EngineConfig(
+@pytest.fixture(scope="module")
+def staged(model, tokenizer):
+    """Two pipeline stages, four rounds a call."""
+    return Engine.from_model(model, tokenizer, EngineConfig(
         mesh="stage=2", pipeline_rounds=4, **(ENGINE | {"warmup": False})))
+
+
+def test_pipeline_stages_give_one_devices_tokens(staged, tokenizer, engine):
+    requests = _requests(tokenizer, 0.8, max_tokens=48)
     got = _run(staged, requests)
     assert [c.token_ids for c in got] == [c.token_ids for c in _run(engine, requests)]
     assert all(_valid(kind, c.text) for kind, c in zip(CONSTRAINTS, got))
+
+
+def test_a_pipeline_call_cuts_rounds_only_for_constrained_rows(staged, tokenizer, engine,
+                                                               monkeypatch):
+    """A constrained request takes one token a call (its next mask needs the last), while an
+    unconstrained one beside it takes one a round; a call that samples no constrained row
+    carries no mask (its key is `(0,)`). Tokens stay one device's."""
+    requests = [(tokenizer.encode("plain"), SamplingParams(max_tokens=32, temperature=0,
+                                                           ignore_eos=True)),
+                (tokenizer.encode("word"), SamplingParams(max_tokens=24, temperature=0,
+                                                          structured=StructuredOutput(
+                                                              regex="[a-z]{6}")))]
+    keys, run_calls = [], staged.runner.run_calls
+    monkeypatch.setattr(staged.runner, "run_calls",
+                        lambda k, arrays: keys.extend(k) or run_calls(k, arrays))
+    ids = [staged.add_request(prompt, params) for prompt, params in requests]
+    counts, per_call, finished = dict.fromkeys(ids, 0), [], {}
+    while staged.has_unfinished():
+        grown = {}
+        for out in staged.step():
+            grown[out.request_id] = len(out.outputs[0].token_ids) - counts[out.request_id]
+            counts[out.request_id] += grown[out.request_id]
+            if out.finished:
+                finished[out.request_id] = out.outputs[0]
+        per_call.append(grown)
+    both = [grown for grown in per_call if len(grown) == 2]
+    assert both and all(grown[ids[1]] == 1 for grown in both), per_call
+    assert max(grown[ids[0]] for grown in both) == 4, per_call  # every round, beside it
+    assert (1,) in keys and keys[-1] == (0,), (keys, per_call)  # the last: none constrained
+    want = _run(engine, requests)
+    assert [finished[i].token_ids for i in ids] == [c.token_ids for c in want]
+    assert re.fullmatch("[a-z]{6}", finished[ids[1]].text)
 
 
 def test_the_grpc_request_carries_the_constraint(model, tokenizer, engine):
@@ -165,3 +202,77 @@ def test_the_bench_measures_validity_and_cost(engine, tokenizer):
     # The matcher takes every token, the last (max_tokens) too: it tells whether the output
     # ended complete ("stop") or not ("length").
     assert cost["matcher_advances"] == 3 * 24 and cost["matcher_seconds"] > 0
+
+
+# -- constrained rows under preemption and on prefix-cache hits ----------------------------------
+
+def _outputs(engine, requests) -> list:
+    """Each request's final `RequestOutput`, in order."""
+    ids = [engine.add_request(prompt, params) for prompt, params in requests]
+    finished = {}
+    while engine.has_unfinished():
+        finished |= {out.request_id: out for out in engine.step() if out.finished}
+    return [finished[i] for i in ids]
+
+
+def _json_lines_valid(text: str) -> bool:
+    """At least one whole line, each a JSON object valid against the bench's line schema. The
+    last line may be cut: a line started with fewer tokens left than its shortest form is the
+    one case room to close does not cover (docs/python-api.md)."""
+    from meshserve.serving.bench.structured_cost import LINE_SCHEMA
+
+    lines = text.split("\n")
+    assert len(lines) > 1, text
+    for line in lines[:-1]:
+        jsonschema.validate(json.loads(line), {k: v for k, v in LINE_SCHEMA.items()
+                                               if k != "x-guidance"})
+    return True
+
+
+def _json_lines_requests(tokenizer, prompts, max_tokens: int) -> list:
+    """JSON lines without end (`JSON_LINES`): each output runs to max_tokens, greedy and
+    seeded rows alternating."""
+    from meshserve.serving.bench.structured_cost import JSON_LINES
+
+    return [(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.8 * (i % 2), seed=i,
+                                    ignore_eos=True, structured=JSON_LINES))
+            for i, prompt in enumerate(prompts)]
+
+
+def test_constrained_rows_preempted_and_recomputed_keep_their_tokens(model, tokenizer, engine):
+    """A cache of 8 pages holds about one and a half of these requests: they preempt each
+    other, recompute their prompt and outputs, and go on; each output is the one it is with
+    room to spare (greedy, and seeded), and valid."""
+    tight = Engine.from_model(model, tokenizer, EngineConfig(
+        **(ENGINE | {"num_pages": 9, "warmup": False})))
+    prompts = [tokenizer.encode(f"request {i}: people as JSON lines") for i in range(3)]
+    requests = _json_lines_requests(tokenizer, prompts, max_tokens=72)
+    got = _outputs(tight, requests)
+    assert tight.scheduler.num_preemptions > 0
+    assert sum(out.metrics.num_preemptions > 0 for out in got) >= 1
+    want = _outputs(engine, requests)
+    assert all(out.metrics.num_preemptions == 0 for out in want)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason
+                                                         for o in want]
+    for out in got:
+        assert len(out.outputs[0].token_ids) == 72 and _json_lines_valid(out.outputs[0].text)
+
+
+def test_constrained_rows_on_a_prefix_cache_hit_keep_their_tokens(model, tokenizer, engine):
+    """Requests sharing a long prompt prefix: the later ones start from the first one's cached
+    pages, and their constrained outputs are the ones computed without the cache."""
+    prefix = tokenizer.encode("a shared system prompt, long enough for two full pages. " * 2)
+    prompts = [prefix + tokenizer.encode(f"question {i}") for i in range(3)]
+    requests = _json_lines_requests(tokenizer, prompts, max_tokens=48)
+    uncached = Engine.from_model(model, tokenizer, EngineConfig(
+        **(ENGINE | {"enable_prefix_caching": False, "warmup": False})), runner=engine.runner)
+    want = _outputs(uncached, requests)
+    assert all(out.num_cached_tokens == 0 for out in want)
+    first = _outputs(engine, requests[:1])  # fills the cache; the others then hit it
+    rest = _outputs(engine, requests[1:])
+    got = first + rest
+    assert all(out.num_cached_tokens >= 2 * 16 for out in rest), [o.num_cached_tokens
+                                                                  for o in rest]
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert all(_json_lines_valid(out.outputs[0].text) for out in got)

@@ -224,3 +224,112 @@ def test_max_tokens_ends_a_complete_output_stop_and_an_incomplete_one_length(com
         assert constrained_stop(request, length, None) == expected
         assert constrained_stop(request, None, None) is None
         assert constrained_stop(request, length, ("unsatisfiable", "x")) == ("unsatisfiable", "x")
+
+
+def test_the_metrics_give_the_host_time_of_each_steps_masks(engine):
+    """`meshserve:structured_mask_seconds`: one observation for each step in which a
+    constrained request took a token (the unconstrained request's steps alone add none)."""
+    from meshserve.serving.engine.metrics import ServerMetrics
+
+    metrics = ServerMetrics("greedy")
+    metrics.observe_step(engine, 0.0)  # the steps of the tests before: one observation each
+    labels = {"model_name": "greedy"}
+    before = metrics.registry.get_sample_value("meshserve:structured_mask_seconds_count", labels)
+    assert before == engine.scheduler.num_constraint_batches
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True))
+    request_id = engine.add_request([5, 6], SamplingParams(
+        max_tokens=10, structured=StructuredOutput(json_schema=SCHEMAS["integer"])))
+    finished = {}
+    while engine.has_unfinished():
+        finished |= {out.request_id: out.outputs[0] for out in engine.step() if out.finished}
+        metrics.observe_step(engine, 0.01)
+    count = metrics.registry.get_sample_value("meshserve:structured_mask_seconds_count", labels)
+    total = metrics.registry.get_sample_value("meshserve:structured_mask_seconds_sum", labels)
+    assert count - before == len(finished[request_id].token_ids) < 20 and total > 0
+
+
+# -- bounds: the longest string and number a JSON constraint admits ------------------------------
+
+@pytest.mark.parametrize("name,bounds,text", [
+    ("string", {"max_string_length": 5}, '{"s": ",,,,,"}'),
+    ("integer", {"max_integer_digits": 3}, '{"n": 111}'),
+])
+def test_a_bound_closes_a_looping_string_or_number_within_it(engine, name, bounds, text):
+    """Far from max_tokens, the model loops until the bound: the string or number closes
+    there, not where closing for max_tokens would start (`{"n": 1111...1}` at 60 tokens)."""
+    out = _generate(engine, StructuredOutput(json_schema=SCHEMAS[name], **bounds), 60)
+    assert out.finish_reason == "stop" and out.text == text
+    jsonschema.validate(json.loads(out.text), SCHEMAS[name])
+
+
+def test_the_engines_bounds_apply_where_a_request_sets_none(tokenizer):
+    config = EngineConfig(**ENGINE, structured_max_string_length=4,
+                          structured_max_integer_digits=2)
+    preferred = [tokenizer.token_to_id(symbol) for symbol in (",", "1", "a")]
+    engine = Engine(GreedyRunner(config, preferred), tokenizer, config)
+    assert _generate(engine, StructuredOutput(json_schema=SCHEMAS["string"]), 60).text == \
+        '{"s": ",,,,"}'
+    assert _generate(engine, StructuredOutput(json_schema=SCHEMAS["integer"]), 60).text == \
+        '{"n": 11}'
+    own = StructuredOutput(json_schema=SCHEMAS["string"], max_string_length=7)  # the request's
+    assert _generate(engine, own, 60).text == '{"s": ",,,,,,,"}'
+    regex = _generate(engine, StructuredOutput(regex="[0-9]+"), 9)  # not JSON: not bounded
+    assert regex.text == "1" * 9
+    with pytest.raises(ValueError, match=r"structured_max_integer_digits must be in \[1, 15\]"):
+        EngineConfig(**ENGINE, structured_max_integer_digits=16)
+
+
+def test_bounded_keys_leave_the_named_properties_and_listed_values_as_they_are(compiler,
+                                                                                tokenizer):
+    """Keys beyond `properties` are bounded, the named ones are not (nor intersected with the
+    extra keys' schema); an enum keeps every option; a bound no output can meet is refused."""
+    schema = {"type": "object", "properties": {"a_long_name": {"type": "string"},
+                                               "kind": {"enum": ["abcdefgh", 123456]}},
+              "additionalProperties": {"type": "integer"}}
+    bounded = StructuredOutput(json_schema=schema, max_string_length=3, max_integer_digits=2)
+
+    def accepts(structured, text):
+        matcher = compiler.matcher(structured)
+        return all(matcher.advance(t) for t in tokenizer.encode(text, add_special_tokens=False)) \
+            and matcher.is_accepting()
+
+    for text, is_ok in (('{"a_long_name": "abc"}', True), ('{"a_long_name": "abcd"}', False),
+                        ('{"kind": "abcdefgh"}', True), ('{"kind": 123456}', True),
+                        ('{"abc": 12}', True), ('{"abcd": 12}', False), ('{"abc": 123}', False),
+                        ('{"a_long_name": 1}', False)):
+        assert accepts(bounded, text) is is_ok, text
+        assert accepts(StructuredOutput(json_schema=schema), text) or not is_ok, text
+    for text, is_ok in (('{"abc": [1, "xyz"]}', True), ('{"abcd": 1}', False),
+                        ('{"a": {"b": "wxyz"}}', False), ('{"a": -99.5}', True),
+                        ('{"a": -100}', False)):
+        assert accepts(StructuredOutput(json_object=True, max_string_length=3,
+                                        max_integer_digits=2), text) is is_ok, text
+    with pytest.raises(ValueError, match=r"minLength \(5\) is above max_string_length \(3\)"):
+        compiler.check(StructuredOutput(json_schema={"type": "string", "minLength": 5},
+                                        max_string_length=3))
+    with pytest.raises(ValueError, match="bounds JSON"):
+        StructuredOutput(regex="a+", max_string_length=3)
+
+
+def test_bounds_are_refused_on_the_grpc_wire_rather_than_dropped():
+    from meshserve.serving.grpc_api.structured_messages import structured_message
+
+    assert structured_message(StructuredOutput(json_object=True)).json_object
+    with pytest.raises(ValueError, match="do not travel over gRPC"):
+        structured_message(StructuredOutput(json_object=True, max_string_length=3))
+
+
+def test_the_other_keys_pattern_is_every_short_key_but_the_named_ones():
+    """Checked against Python's `re` on every key of up to 3 characters over the names' own
+    characters (punctuation, a non-ASCII letter) and a few longer ones."""
+    import itertools
+    import re
+
+    from meshserve.serving.engine.json_schemas import other_keys_pattern
+
+    names = ["s", "ab", "a-b", "x.y", "$ref", "a]b", "é", "abc", "a_very_long_name"]
+    pattern = re.compile(other_keys_pattern(names, 4))
+    alphabet = "sabx.-$]éyz"
+    keys = ["".join(chars) for n in range(4) for chars in itertools.product(alphabet, repeat=n)]
+    for key in keys + ["aaaa", "zzzz", "aaaaa", "$ref", "x.yz"]:
+        assert bool(pattern.fullmatch(key)) is (len(key) <= 4 and key not in names), key
