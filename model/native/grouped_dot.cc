@@ -58,6 +58,14 @@ static void ParallelFor(ffi::ThreadPool& pool, int64_t count, int64_t grain, con
   while (state->done.load(std::memory_order_acquire) < ranges) std::this_thread::yield();
 }
 
+// Columns a range of outputs takes: long enough that the loops over them, which run once per
+// row of codes, outweigh their own overhead (at least 256), and about two ranges a thread, in
+// whole blocks of 32.
+static int64_t ColumnGrain(int64_t n, ffi::ThreadPool& pool) {
+  const int64_t ranges = 2 * std::max<int64_t>(1, pool.num_threads());
+  return std::max<int64_t>(256, (n / ranges + 31) / 32 * 32);
+}
+
 // The operands both kernels take: x [M, K], codes, scales and mins (mins empty when none).
 struct Operands {
   int64_t m, k, groups;
@@ -193,8 +201,7 @@ static ffi::Error GroupedDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   int64_t n;
   if (ffi::Error error = Decode(x, codes, scales, mins, y, false, &o, &n); error.failure())
     return error;
-  // Ranges of whole blocks of 32 outputs, about 64 KiB of codes each, the last one ragged.
-  const int64_t grain = std::max<int64_t>(32, (65536 / std::max<int64_t>(o.k, 1)) / 32 * 32);
+  const int64_t grain = ColumnGrain(n, pool);
   ParallelFor(pool, n, grain, [&](int64_t jb, int64_t je) { GroupedColumns(o, n, jb, je); });
   return ffi::Error::Success();
 }
@@ -407,7 +414,7 @@ static ffi::Error PackedDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const Operands o{xd[0], k, groups, x.typed_data(), nullptr, scales.typed_data(),
                    has_mins ? mins.typed_data() : nullptr, y->typed_data()};
   const uint8_t* c = codes.typed_data();
-  const int64_t grain = std::max<int64_t>(32, (65536 / std::max<int64_t>(k, 1)) / 32 * 32);
+  const int64_t grain = ColumnGrain(n, pool);
   ParallelFor(pool, n, grain, [&](int64_t jb, int64_t je) { PackedColumns(o, p, c, n, jb, je); });
   return ffi::Error::Success();
 }

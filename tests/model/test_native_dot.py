@@ -66,7 +66,7 @@ def _target(fmt: QuantFormat) -> str:
 @pytest.mark.parametrize("name", list(FORMATS))
 @pytest.mark.parametrize("rows", [1, 3, 13])
 def test_native_dot_matches_the_jnp_path(name, rows):
-    """600 outputs: ranges of 512 and 88 (whole blocks of 32 in registers, and a ragged rest),
+    """600 outputs: ranges of 256, 256 and 88 (whole blocks of 32 in registers, a ragged rest),
     on XLA's threads; 1 row, 3 rows (one at a time), 13 (8 + 4 + 1)."""
     q = _kernel(FORMATS[name], 128, 600)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((rows, 128)), jnp.float32)
