@@ -111,11 +111,16 @@ TINY_MODELS = (
 # --- The files ----------------------------------------------------------------------------------
 
 
-def _vocabulary() -> list[tuple[str, int, float]]:
+def _tiny_vocabulary_module():
+    """`scripts/make_gguf_vocab_golden.py`, which holds the tiny SentencePiece vocabulary."""
     sys.path.insert(0, str(ROOT / "scripts"))
-    from make_gguf_vocab_golden import tiny_vocabulary
+    import make_gguf_vocab_golden
 
-    return tiny_vocabulary()
+    return make_gguf_vocab_golden
+
+
+def _vocabulary() -> list[tuple[str, int, float]]:
+    return _tiny_vocabulary_module().tiny_vocabulary()
 
 
 def write_float_model(path: Path, model: TinyModel) -> None:
@@ -174,26 +179,13 @@ def write_float_model(path: Path, model: TinyModel) -> None:
     else:
         writer.add_rope_freq_base(10000.0)
         writer.add_rope_dimension_count(hd)
-    _add_vocabulary(writer, vocabulary)
+    _tiny_vocabulary_module().add_tiny_vocabulary(writer, add_space_prefix=True)
     for name, tensor in tensors.items():
         writer.add_tensor(name, tensor)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-
-
-def _add_vocabulary(writer: gguf.GGUFWriter, vocabulary: list[tuple[str, int, float]]) -> None:
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list([text for text, _, _ in vocabulary])
-    writer.add_token_scores([score for _, _, score in vocabulary])
-    writer.add_token_types([kind for _, kind, _ in vocabulary])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_unk_token_id(0)
-    writer.add_add_bos_token(True)
-    writer.add_add_eos_token(False)
-    writer.add_add_space_prefix(True)
 
 
 def tensor_types(path: Path) -> dict[str, str]:

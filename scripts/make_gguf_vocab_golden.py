@@ -76,18 +76,10 @@ def tiny_vocabulary() -> list[tuple[str, int, float]]:
     return [(text, kind, -float(i) if kind == 1 else 0.0) for i, (text, kind) in enumerate(tokens)]
 
 
-def write_tiny(path: Path, *, add_space_prefix: bool) -> None:
-    """A vocabulary-only llama GGUF with the tiny SentencePiece vocabulary."""
+def add_tiny_vocabulary(writer: gguf.GGUFWriter, *, add_space_prefix: bool) -> None:
+    """The tiny SentencePiece vocabulary's keys, written as llama.cpp's converter writes a
+    Llama 2 file's (BOS 1, EOS 2, unknown 0; a BOS added, no EOS)."""
     vocabulary = tiny_vocabulary()
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(1)
-    writer.add_context_length(64)
-    writer.add_embedding_length(8)
-    writer.add_feed_forward_length(16)
-    writer.add_head_count(2)
-    writer.add_head_count_kv(2)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_dimension_count(4)
     writer.add_tokenizer_model("llama")
     writer.add_token_list([text for text, _, _ in vocabulary])
     writer.add_token_scores([score for _, _, score in vocabulary])
@@ -98,6 +90,20 @@ def write_tiny(path: Path, *, add_space_prefix: bool) -> None:
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
     writer.add_add_space_prefix(add_space_prefix)
+
+
+def write_tiny(path: Path, *, add_space_prefix: bool) -> None:
+    """A vocabulary-only llama GGUF with the tiny SentencePiece vocabulary."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(8)
+    writer.add_feed_forward_length(16)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(4)
+    add_tiny_vocabulary(writer, add_space_prefix=add_space_prefix)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
