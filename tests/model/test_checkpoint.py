@@ -376,8 +376,10 @@ def test_llm_runs_from_a_checkpoint(tmp_path):
     from meshserve import LLM, SamplingParams
 
     assert cli.main(["convert", "--model", "tiny-llama", "--out", str(tmp_path / "c")]) == 0
-    small = dict(num_pages=32, page_size=16, max_num_seqs=2, max_num_batched_tokens=16,
-                 prefill_chunk=16, max_model_len=64, warmup=False, compilation_cache=False)
+    # tests/serving/test_engine.py's shapes: its programs, compiled once a session.
+    small = dict(num_pages=64, page_size=16, max_num_seqs=4, max_num_batched_tokens=32,
+                 prefill_chunk=16, max_model_len=128, max_logprobs=5, warmup=False,
+                 compilation_cache=False)
     params = SamplingParams(temperature=0, max_tokens=4)
     prompt = [5, 6, 7, 8]
     [from_checkpoint] = LLM(str(tmp_path / "c"), **small).generate(prompt, params, use_tqdm=False)

@@ -24,8 +24,10 @@ def _pages(rng, num_rows, pages_each, num_pages):
     return [list(ids[i * pages_each:(i + 1) * pages_each]) for i in range(num_rows)]
 
 
+# Pages of 1 token (every token a page) and of 8 (a chunk of 16 spans two pages, the prompt
+# ends mid-page and decode crosses into the next): what pages of 16 do, and more.
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])
-@pytest.mark.parametrize("page_size", [1, 8, 16])
+@pytest.mark.parametrize("page_size", [1, 8])
 def test_chunked_prefill_then_decode_equals_dense(preset, page_size):
     rng = np.random.default_rng(page_size)
     model = _model(preset)

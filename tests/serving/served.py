@@ -14,6 +14,11 @@ from meshserve.serving.grpc_api.server import GenerationServer
 ENGINE = dict(num_pages=64, page_size=16, max_num_seqs=8, max_num_batched_tokens=64,
               prefill_chunk=32, max_model_len=256, max_logprobs=5, compilation_cache=False,
               warmup=False)
+# SmolLM2 as the in-process server and LLM tests load it (`LLM`, its GGUF blocks kept): one
+# set of shapes, so its programs are compiled once a session (the session's compilation cache).
+SMOL = dict(num_pages=64, page_size=16, max_num_seqs=4, max_num_batched_tokens=64,
+            prefill_chunk=32, max_model_len=256, max_logprobs=3, warmup=False,
+            compilation_cache=False)
 
 
 def prompt_ids(seed: int, length: int = 12) -> list[int]:

@@ -12,9 +12,10 @@ import pytest
 
 from meshserve.serving.cli.main import main
 
+# tests/serving/test_engine.py's shapes: its programs, compiled once a session.
 ENGINE_FLAGS = ["--num-pages", "64", "--page-size", "16", "--max-num-seqs", "4",
                 "--max-num-batched-tokens", "32", "--prefill-chunk", "16", "--max-model-len", "128",
-                "--no-warmup", "--no-compilation-cache"]
+                "--max-logprobs", "5", "--no-warmup", "--no-compilation-cache"]
 REQUESTS = [
     {"id": "a", "prompt_token_ids": [5, 6, 7], "max_tokens": 4},
     {"id": "b", "prompt_token_ids": list(range(10, 50)), "max_tokens": 9},

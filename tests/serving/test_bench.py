@@ -17,7 +17,7 @@ from meshserve.serving.bench import bench, latency, plots, result_files, workloa
 from meshserve.serving.cli.main import main
 
 SMALL = ["--model", "tiny-llama", "--num-pages", "64", "--max-num-seqs", "4",
-         "--max-num-batched-tokens", "64", "--prefill-chunk", "16", "--max-model-len", "64",
+         "--max-num-batched-tokens", "16", "--prefill-chunk", "16", "--max-model-len", "64",
          "--no-compilation-cache"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

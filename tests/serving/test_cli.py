@@ -44,10 +44,12 @@ def test_invalid_policy_is_a_clear_error(capsys):
 
 @pytest.mark.slow
 def test_generate_answers_with_smollm2(capsys, smollm2_files):
+    # tests/serving/served.py's SMOL shapes: the programs the in-process SmolLM2 tests share.
     code = main(["generate", "--model", str(smollm2_files.path), "--prompt",
-                 "What is the capital of France?", "--max-tokens", "8", "--num-pages", "32",
-                 "--max-num-seqs", "1", "--prefill-chunk", "64", "--max-model-len", "128",
-                 "--max-num-batched-tokens", "64", "--no-compilation-cache", "--no-warmup"])
+                 "What is the capital of France?", "--max-tokens", "8", "--num-pages", "64",
+                 "--max-num-seqs", "4", "--prefill-chunk", "32", "--max-model-len", "256",
+                 "--max-num-batched-tokens", "64", "--max-logprobs", "3",
+                 "--no-compilation-cache", "--no-warmup"])
     out = capsys.readouterr().out
     assert code == 0
     assert "Paris" in out and "tokens/s" in out

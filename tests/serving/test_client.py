@@ -30,7 +30,7 @@ from meshserve.serving.python_api.llm import LLM
 from meshserve.serving.grpc_api.server import (SERVICE_NAME, GenerationServer, ServerConfig,
                                                _sampling_params)
 from tests.serving.fake_runner import FakeModelRunner
-from tests.serving.served import (ENGINE, StepGate, pages_free, prompt_ids, record_aborts,
+from tests.serving.served import (ENGINE, SMOL, StepGate, pages_free, prompt_ids, record_aborts,
                                   wait_for)
 
 
@@ -404,9 +404,7 @@ def test_the_client_module_imports_no_jax():
 
 @pytest.mark.slow
 def test_cli_client_streams_the_same_answer_as_llm_chat(smollm2_files, capsys):
-    smol = LLM(str(smollm2_files.path), num_pages=32, page_size=16, max_num_seqs=2,
-               max_num_batched_tokens=64, prefill_chunk=64, max_model_len=128, warmup=False,
-               compilation_cache=False)
+    smol = LLM(str(smollm2_files.path), **SMOL)
     question = "What is 2+2?"
     greedy = SamplingParams(temperature=0, max_tokens=8)
     (chat,) = smol.chat([{"role": "user", "content": question}], greedy, use_tqdm=False)

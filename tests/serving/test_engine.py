@@ -196,10 +196,10 @@ def test_prefix_cache_gives_identical_tokens_and_skips_the_shared_pages(engine, 
 
 
 @pytest.fixture(scope="module")
-def static_engine(tiny_model):
-    """Warmed; contexts up to 64 tokens, so one page bucket, as the warm engine uses for them."""
-    return Engine.from_model(tiny_model, None, EngineConfig(**(TINY | dict(policy="static",
-                                                                max_model_len=64))))
+def static_engine(tiny_model, engine):
+    """Warmed, with the warm engine's shapes: the policy is the scheduler's, so its warm-up
+    builds the same programs (loaded from the session's compilation cache, not compiled again)."""
+    return Engine.from_model(tiny_model, None, EngineConfig(**(TINY | dict(policy="static"))))
 
 
 STATIC_WORKLOAD = [(5, 2), (20, 24), (12, 5), (3, 9), (8, 16)]  # (prompt length, max_tokens)

@@ -15,17 +15,14 @@ from meshserve.serving.engine.admission import (MAX_REQUEST_ID_BYTES, MAX_STOP_S
                                                 MAX_STOP_STRINGS)
 from meshserve.serving.python_api.llm import LLM
 from meshserve.serving.grpc_api.server import GenerationServer, ServerConfig
-from tests.serving.served import pages_free, wait_for
+from tests.serving.served import SMOL, pages_free, wait_for
 
-SMALL = dict(num_pages=32, page_size=16, max_num_seqs=2, max_num_batched_tokens=64,
-             prefill_chunk=32, max_model_len=256, max_logprobs=2, warmup=False,
-             compilation_cache=False)
 GENERATE = "/meshserve.v1.Generation/Generate"
 
 
 @pytest.fixture(scope="module")
 def smol(smollm2_files):
-    return LLM(str(smollm2_files.path), **SMALL)
+    return LLM(str(smollm2_files.path), **SMOL)
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +147,7 @@ def test_chat_content_is_data_not_template_code(stub, smol):
 
 def test_a_text_too_long_to_fit_is_refused_before_tokenizing(stub, smol):
     max_chars = smol.engine.tokenizer.max_token_chars
-    limit = SMALL["max_model_len"] - 1
+    limit = SMOL["max_model_len"] - 1
     text = "a" * (limit * max_chars + 1)
     request = pb.GenerateRequest(text=text, sampling=_sampling())
     assert "cannot fit in the max prompt length" in _refused(lambda: stub.Generate(request))

@@ -29,7 +29,7 @@ from meshserve.serving.engine.core import Engine
 from meshserve.serving.python_api.llm import LLM
 from meshserve.serving.grpc_api.server import GenerationServer, ServerConfig
 from tests.serving.fake_runner import VOCAB, FakeModelRunner, reference_outputs
-from tests.serving.served import StepGate, record_aborts, record_cancels, wait_for
+from tests.serving.served import SMOL, StepGate, record_aborts, record_cancels, wait_for
 
 FAKE = dict(num_pages=256, page_size=4, max_num_seqs=8, max_num_batched_tokens=32,
             prefill_chunk=16, max_model_len=96, max_logprobs=3, compilation_cache=False)
@@ -428,21 +428,35 @@ def test_tls_serves_https_from_the_same_cert_flags(tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_drains_both_front_ends_then_exits_zero():
+    """`meshserve serve` in a subprocess (the only one of the server tests): a gRPC stream and an
+    HTTP stream in flight when SIGTERM arrives both run to their end, then the process exits 0."""
+    import grpc
+
+    from meshserve.serving.grpc_api.stubs import generation_pb2 as pb
+    from meshserve.serving.grpc_api.stubs import generation_pb2_grpc as pb_grpc
+
     process = subprocess.Popen(
         [str(Path(sys.executable).parent / "meshserve"), "serve", "--model", "tiny-llama",
          "--port", "0", "--http-port", "0", "--no-compilation-cache", "--no-warmup",
          "--max-model-len", "256", "--num-pages", "64"], stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
-        line = ""
-        while "HTTP API" not in line:
-            line = process.stdout.readline()
-            assert line or process.poll() is None, "the server died before serving"
-        port = int(line.split(" on ")[1].split(":")[1].split()[0])
+        lines = [""]
+        while "HTTP API" not in lines[-1]:
+            lines.append(process.stdout.readline())
+            assert lines[-1] or process.poll() is None, "the server died before serving"
+        (serving,) = [line for line in lines if "meshserve: serving" in line]
+        grpc_port = int(serving.split(" on ")[1].split(":")[1].split()[0])
+        port = int(lines[-1].split(" on ")[1].split(":")[1].split()[0])
 
         class Server:
             http_port = port
 
+        channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+        call = pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=[8, 9, 10, 11]), sampling=pb.SamplingParams(
+                max_tokens=120, temperature=0, ignore_eos=True)), timeout=60)
+        first = next(call)
         conn, response = _open_stream(Server, {"prompt": [5, 6, 7], "max_tokens": 100,
                                                "temperature": 0, "ignore_eos": True,
                                                "logprobs": 0})
@@ -451,6 +465,14 @@ def test_sigterm_drains_both_front_ends_then_exits_zero():
         process.send_signal(signal.SIGTERM)
         tokens, finish = _streamed_tokens(events)
         assert finish == "length" and len(tokens) == 99
+        grpc_tokens, final = list(first.chunk.token_ids), None
+        for item in call:
+            if item.HasField("chunk"):
+                grpc_tokens += list(item.chunk.token_ids)
+            else:
+                final = item.final
+        assert final.finish_reason == "length" and len(grpc_tokens) == 120
+        channel.close()
         assert process.wait(timeout=60) == 0
         assert "drained" in process.stdout.read()
     finally:
@@ -460,9 +482,6 @@ def test_sigterm_drains_both_front_ends_then_exits_zero():
 
 # -- SmolLM2 and the official openai client --------------------------------------------------------
 
-SMOL = dict(num_pages=64, page_size=16, max_num_seqs=4, max_num_batched_tokens=64,
-            prefill_chunk=32, max_model_len=256, max_logprobs=3, warmup=False,
-            compilation_cache=False)
 TEXT = ("Paris is the capital of France. Berlin is the capital of Germany. Rome is the capital "
         "of Italy. Madrid is the capital of Spain. Vienna is the capital of Austria. The capital "
         "of Portugal is")  # over two 16-token pages, so a repeat finds one cached

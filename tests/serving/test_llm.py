@@ -11,9 +11,12 @@ import sys
 import pytest
 
 from meshserve.serving.python_api.llm import LLM as EngineLLM
+from tests.serving.served import SMOL
 
+# tests/serving/test_engine.py's shapes: its programs, compiled once a session.
 SMALL = dict(num_pages=64, page_size=16, max_num_seqs=4, max_num_batched_tokens=32,
-             prefill_chunk=16, max_model_len=128, warmup=False, compilation_cache=False)
+             prefill_chunk=16, max_model_len=128, max_logprobs=5, warmup=False,
+             compilation_cache=False)
 PROMPTS = [[5, 6, 7], list(range(10, 40)), [9]]  # the second one is prefilled in two chunks
 
 
@@ -118,8 +121,7 @@ def test_bad_engine_option_fails_before_loading():
 def smol_llm(smollm2_files):
     from meshserve import LLM
 
-    return LLM(str(smollm2_files.path), **(SMALL | dict(max_model_len=256, prefill_chunk=32,
-                                                        max_num_batched_tokens=64)))
+    return LLM(str(smollm2_files.path), **SMOL)
 
 
 @pytest.mark.slow

@@ -16,8 +16,10 @@ from meshserve.serving.python_api.llm import LLM
 from meshserve.serving.bench.loadgen import arrival_times, run_online
 from meshserve.serving.grpc_api.server import GenerationServer, ServerConfig
 
+# tests/serving/served.py's ENGINE (the server tests' shapes): its programs, compiled once.
 ENGINE = dict(num_pages=64, page_size=16, max_num_seqs=8, max_num_batched_tokens=64,
-              prefill_chunk=32, max_model_len=256, compilation_cache=False, warmup=False)
+              prefill_chunk=32, max_model_len=256, max_logprobs=5, compilation_cache=False,
+              warmup=False)
 REQUESTS = [BenchRequest(prompt_token_ids=np.random.default_rng(i).integers(2, 512, 4 + i % 9)
                          .tolist(), num_output_tokens=6 + i % 7) for i in range(16)]
 

@@ -18,7 +18,8 @@ from meshserve.serving.engine.metrics import FINISHED_REASONS, REJECTED_REASONS,
 from tests.conftest import random_params
 from tests.serving.fake_runner import FakeModelRunner, reference_outputs
 
-SMALL = dict(num_pages=64, page_size=16, max_num_seqs=2, max_num_batched_tokens=32,
+# tests/serving/test_engine.py's shapes: its programs, compiled once a session.
+SMALL = dict(num_pages=64, page_size=16, max_num_seqs=4, max_num_batched_tokens=32,
              prefill_chunk=16, max_model_len=128, max_logprobs=5, warmup=False,
              compilation_cache=False)
 # 8 usable pages of 4 tokens: two requests of 8 + 20 tokens cannot both stay.

@@ -14,7 +14,8 @@ from meshserve.serving.engine.engine_config import EngineConfig
 from meshserve.serving.engine.core import Engine
 from tests.conftest import random_params
 
-TINY = dict(num_pages=24, page_size=16, max_num_seqs=4, max_num_batched_tokens=32,
+# tests/serving/test_engine.py's shapes: its programs, compiled once a session.
+TINY = dict(num_pages=64, page_size=16, max_num_seqs=4, max_num_batched_tokens=32,
             prefill_chunk=16, max_model_len=128, max_logprobs=5, compilation_cache=False,
             warmup=False)
 
@@ -43,10 +44,11 @@ def _serve(engine: Engine, requests) -> list[list[int]]:
 
 
 def test_predicted_ordering_gives_the_fcfs_tokens_with_fewer_preemptions(tiny_model):
-    """12 pages for 16 requests of up to 100 tokens (7 pages), 4 at a time: FCFS admits into
-    shortages and preempts; keeping pages for each request's known length does not."""
+    """8 pages for 16 requests of up to 100 tokens (7 pages), 4 at a time: FCFS admits into
+    shortages and preempts; keeping pages for each request's known length does not. (The pool
+    of tests/serving/test_engine.py's tight engine: its programs.)"""
     requests = _requests(16)
-    tight = TINY | dict(num_pages=13)
+    tight = TINY | dict(num_pages=9)
     fcfs = Engine.from_model(tiny_model, None, EngineConfig(**tight))
     predicted = Engine.from_model(tiny_model, None, EngineConfig(**tight, ordering="predicted"),
                                   runner=fcfs.runner)

@@ -6,17 +6,15 @@ against `LLM.generate`, bad input, server info, health and reflection. Servers w
 that fails) are started per test on the arithmetic runner (`tests/serving/fake_runner.py`, nothing
 compiled), behind a `StepGate`: the engine computes only the steps the test allows, so a request
 that should have been stopped early cannot pass by finishing on its own, and busy seats stay busy
-however fast or loaded the machine. The SIGTERM drain runs `meshserve serve` in a subprocess.
+however fast or loaded the machine. The SIGTERM drain of a `meshserve serve` process, gRPC and
+HTTP streams in flight, is in tests/serving/test_http.py.
 """
 
-import os
-import signal
 import subprocess
 import sys
 import threading
 import time
 from concurrent import futures
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -33,7 +31,7 @@ from meshserve.serving.engine.core import Engine
 from meshserve.serving.python_api.llm import LLM
 from meshserve.serving.grpc_api.server import SERVICE_NAME, GenerationServer, ServerConfig
 from tests.serving.fake_runner import VOCAB, FakeModelRunner
-from tests.serving.served import (ENGINE, StepGate, pages_free, prompt_ids, record_aborts,
+from tests.serving.served import (ENGINE, SMOL, StepGate, pages_free, prompt_ids, record_aborts,
                                   record_cancels, wait_for)
 
 # The arithmetic runner's engine: room for 8 requests of 200 tokens, and 8 prompts of 12 tokens
@@ -469,34 +467,6 @@ def test_a_bounded_load_test_loses_nothing(start):
     assert not server._inflight
 
 
-@pytest.mark.slow
-def test_sigterm_drains_in_flight_streams_then_exits_zero(tmp_path):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    process = subprocess.Popen(
-        [str(Path(sys.executable).parent / "meshserve"), "serve", "--model", "tiny-llama",
-         "--port", "0", "--no-compilation-cache", "--no-warmup", "--max-model-len", "256",
-         "--num-pages", "64"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=env)
-    try:
-        line = ""
-        while "serving" not in line:
-            line = process.stdout.readline()
-            assert line or process.poll() is None, "the server died before serving"
-        port = int(line.split(":")[-1].split()[0])
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        stub = pb_grpc.GenerationStub(channel)
-        call = stub.Generate(_request(prompt_ids(8), _greedy(120)), timeout=60)
-        first = next(call)
-        process.send_signal(signal.SIGTERM)
-        tokens, final = _collect(call)
-        assert final.finish_reason == "length" and len(first.chunk.token_ids) + len(tokens) == 120
-        assert process.wait(timeout=60) == 0
-        assert "drained" in process.stdout.read()
-    finally:
-        if process.poll() is None:
-            process.kill()
-
-
 def test_metrics_are_scraped_over_http(start):
     import urllib.request
 
@@ -545,7 +515,7 @@ def test_drain_refuses_new_requests_and_lets_in_flight_ones_finish(start):
 
 @pytest.mark.slow
 def test_smollm2_chat_stream_adds_up_to_llm_chat_with_a_stop_string():
-    llm = LLM("smollm2-135m-instruct", **ENGINE)
+    llm = LLM("smollm2-135m-instruct", **SMOL)
     messages = [{"role": "user", "content": "Count from one to ten in words."}]
     params = SamplingParams(max_tokens=40, temperature=0, stop=["5."])
     want = llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
