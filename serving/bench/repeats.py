@@ -23,6 +23,10 @@ from typing import Any, Callable
 
 # Output tokens/s is the measure every system reports (meshserve's policies and every peer).
 MEASURE = "output_tokens_per_s"
+# Time to first token, where every run of a system reports it (its p50 and p99 over requests):
+# summarized like the measure, each repeat's quantile one sample. Lower is better, so a ratio
+# below 1 favours meshserve.
+LATENCIES = {"ttft_p50_s": "median", "ttft_p99_s": "p99"}
 
 
 def cores() -> int:
@@ -58,24 +62,38 @@ def summarize(runs: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
         if missing is not False:
             summary["skipped"][name] = (missing or {}).get("skipped", "not run in every repeat")
             continue
-        values = [r[MEASURE] for r in results]
         summary["systems"][name] = {
-            MEASURE: {"median": statistics.median(values), "min": min(values),
-                      "max": max(values), "runs": values},
+            MEASURE: _spread([r[MEASURE] for r in results]),
             "shared_runs": sum(bool(r.get("load_average", {}).get("shared")) for r in results)}
+        for measure, quantile in LATENCIES.items():
+            if all(isinstance(r.get("ttft_s"), dict) for r in results):
+                summary["systems"][name][measure] = _spread(
+                    [r["ttft_s"][quantile] for r in results])
     measured_systems = summary["systems"]
     if "continuous" in measured_systems:
-        ours = measured_systems["continuous"][MEASURE]
+        ours = measured_systems["continuous"]
         for name, system in measured_systems.items():
             if name == "continuous":
                 continue
-            theirs = system[MEASURE]
-            pairs = [a / b for a, b in zip(ours["runs"], theirs["runs"])]
-            summary["ratios"][f"continuous/{name}"] = {
-                "ratio_of_medians": ours["median"] / theirs["median"],
-                "min": min(pairs), "max": max(pairs), "pairs": pairs}
+            summary["ratios"][f"continuous/{name}"] = _ratio(ours[MEASURE], system[MEASURE])
+            for measure in LATENCIES:
+                if measure in ours and measure in system:
+                    summary["ratios"][f"continuous/{name}"][measure] = _ratio(
+                        ours[measure], system[measure])
     summary["shared_runs"] = sum(s["shared_runs"] for s in measured_systems.values())
     return summary
+
+
+def _spread(values: list[float]) -> dict[str, Any]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "runs": values}
+
+
+def _ratio(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
+    """The ratio of two systems' medians, and its range over the repeats' pairs."""
+    pairs = [a / b for a, b in zip(ours["runs"], theirs["runs"])]
+    return {"ratio_of_medians": ours["median"] / theirs["median"], "min": min(pairs),
+            "max": max(pairs), "pairs": pairs}
 
 
 def median_run(runs: list[dict[str, Any]], name: str) -> dict[str, Any]:
@@ -97,6 +115,17 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
                                          f"({ratio['min']:.2f}-{ratio['max']:.2f})")
         lines.append(f"{name:<14} {m['median']:>8.1f} {m['min']:>8.1f} {m['max']:>8.1f} "
                      f"{system['shared_runs']:>6}  {cell}")
+    for measure, label in (("ttft_p50_s", "TTFT p50"), ("ttft_p99_s", "TTFT p99")):
+        timed = {name: s[measure] for name, s in summary["systems"].items() if measure in s}
+        if not timed:
+            continue
+        lines.append(f"{label}, ms:")
+        for name, m in timed.items():
+            ratio = summary["ratios"].get(f"continuous/{name}", {}).get(measure)
+            cell = "" if ratio is None else (f"{ratio['ratio_of_medians']:.2f}x "
+                                             f"({ratio['min']:.2f}-{ratio['max']:.2f})")
+            lines.append(f"{name:<14} {m['median'] * 1e3:>8.1f} {m['min'] * 1e3:>8.1f} "
+                         f"{m['max'] * 1e3:>8.1f} {'':>6}  {cell}")
     for name, reason in summary["skipped"].items():
         lines.append(f"{name:<14} skipped: {reason}")
     if summary["shared_runs"]:

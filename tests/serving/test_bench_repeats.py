@@ -36,6 +36,25 @@ def test_medians_ranges_and_ratios_of_medians():
     assert "2.00x (1.33-3.00)" in printed and "distrust this summary" in printed
 
 
+def test_time_to_first_token_is_summarized_like_throughput_where_every_run_has_it():
+    def timed(tok_s, p50, p99):
+        return _run(tok_s) | {"ttft_s": {"median": p50, "p99": p99}}
+
+    runs = [{"continuous": timed(100, 2.0, 9.0), "static": _run(40), "server": timed(50, 8.0, 30)},
+            {"continuous": timed(90, 4.0, 12.0), "static": _run(40), "server": timed(60, 5.0, 40)},
+            {"continuous": timed(95, 3.0, 20.0), "static": _run(40), "server": timed(55, 10.0, 35)}]
+    summary = repeats.summarize(runs)
+    p50 = summary["systems"]["continuous"]["ttft_p50_s"]
+    assert (p50["median"], p50["min"], p50["max"]) == (3.0, 2.0, 4.0)
+    assert "ttft_p50_s" not in summary["systems"]["static"]  # no run of it timed its requests
+    ratio = summary["ratios"]["continuous/server"]["ttft_p50_s"]
+    assert ratio["ratio_of_medians"] == 3.0 / 8.0 and ratio["pairs"] == [0.25, 0.8, 0.3]
+    assert summary["ratios"]["continuous/server"]["ttft_p99_s"]["ratio_of_medians"] == 12 / 35
+    assert "ttft_p50_s" not in summary["ratios"]["continuous/static"]
+    printed = "\n".join(repeats.summary_lines(summary))
+    assert "TTFT p50, ms:" in printed and "0.38x (0.25-0.80)" in printed
+
+
 def test_a_peer_skipped_in_any_repeat_is_left_out_with_its_reason():
     runs = [{"continuous": _run(100), "static": _run(40), "peer": {"skipped": "not installed"}},
             {"continuous": _run(90), "static": _run(45), "peer": {"skipped": "not installed"}}]
