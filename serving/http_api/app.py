@@ -8,6 +8,10 @@ the drain and the metrics. Endpoints:
     GET  /v1/models/{id}        one of them
     POST /v1/completions        a text or token-id prompt
     POST /v1/chat/completions   messages, through the tokenizer's chat template
+    POST /v1/responses          OpenAI's Responses API: its input read as chat messages
+                                (`meshserve.serving.openai_api.responses`), answered as a response
+                                or its events (`meshserve.serving.http_api.render_responses`);
+                                nothing is stored
     GET  /health                200 while serving; 503 while starting, draining or after a failure
     GET  /metrics               the Prometheus text (the same registry as --metrics-port)
 
@@ -21,14 +25,16 @@ One request, in order, on uvicorn's event loop thread:
   1. read the body, counted as it arrives (413 past --max-message-bytes; a client that goes away
      meanwhile is one info line in the log);
   2. `parse_request` checks every field against the field table (`meshserve.serving.
-     openai_api.fields`): a field that is not served is a 400 naming it;
+     openai_api.fields`; the Responses API's, `parse_responses_request`, against its own): a
+     field that is not served is a 400 naming it;
   3. `_accept` checks the model name and the structured-output fields, then hands the request to
      the engine's admission check (`EngineLoop.admission`: the prompt's tokens, the context, the
      sampling values and the engine's limits), whose refusal names the engine's field, which the
      request maps to its own (`OpenAIRequest.field_of`);
   4. only then `EngineLoop.submit`; the response is written from the accepted request alone.
 So a refused request never reaches the engine. A stream is server-sent events in OpenAI's chunk
-format (`meshserve.serving.http_api.render`), ending with `data: [DONE]`. A client that disconnects
+format (`meshserve.serving.http_api.render`), ending with `data: [DONE]`, or the Responses API's
+events, ending with response.completed. A client that disconnects
 has its request cancelled; the engine loop aborts it at its next step, which frees its pages.
 
 Every answer on the port is OpenAI's error JSON, `{"error": {"message", "type", "param",
@@ -37,7 +43,7 @@ Every answer on the port is OpenAI's error JSON, `{"error": {"message", "type", 
 503. The edge (`meshserve.serving.http_api.edge`) adds CORS, the api key and `x-request-id`, and
 answers what never reaches the app (431 for a huge head, 503 past the connection cap) without
 resetting the client. A failure after a stream began comes as one `data: {"error": ...}` event,
-then `data: [DONE]`.
+then `data: [DONE]` (the Responses API: one response.failed event).
 
 This module must not touch the Engine: only the engine loop does.
 """
@@ -66,9 +72,11 @@ from starlette.requests import ClientDisconnect
 from meshserve.serving.engine.admission import Admitted, AdmissionError, Prompt, check_request_id
 from meshserve.serving.http_api.edge import CorsPolicy, Edge, error_body, guarded_protocol
 from meshserve.serving.http_api.render import Render
+from meshserve.serving.http_api.render_responses import ResponsesRender
 from meshserve.serving.engine.loop import Delta, EngineLoop, Failed, Refused, Submission
 from meshserve.serving.openai_api.checks import RequestError
 from meshserve.serving.openai_api.request_model import OpenAIRequest, decode_body, parse_request
+from meshserve.serving.openai_api.responses import parse_responses_request
 from meshserve.serving.openai_api.structured_fields import (FieldError, Structured, prompt_messages,
                                                      read_request)
 from meshserve.serving.engine.outputs import RequestOutput
@@ -79,6 +87,7 @@ log = logging.getLogger(__name__)
 _STATUS = {"invalid": 400, "duplicate": 409, "queue_full": 429, "draining": 503,
            "unavailable": 503, "deadline": 408, "internal": 500}
 _DISCONNECT_POLL = 0.5  # seconds between checks that a non-streaming client is still there
+_ID_PREFIXES = {"completions": "cmpl-", "chat": "chatcmpl-", "responses": "resp_"}
 
 
 class ApiError(Exception):
@@ -158,6 +167,7 @@ def build_app(loop: EngineLoop, config, *, api_key: str | None = None):
     app.get("/v1/models/{model_id:path}")(api.model)
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat_completions)
+    app.post("/v1/responses")(api.responses)
     cors = CorsPolicy(origins=tuple(config.allowed_origins),
                       methods=tuple(m.upper() for m in config.allowed_methods),
                       headers=tuple(config.allowed_headers),
@@ -169,8 +179,8 @@ def build_app(loop: EngineLoop, config, *, api_key: str | None = None):
 def _route_message(request: Request, status: int) -> str:
     where = f"{request.method} {request.url.path}"
     if status == 404:
-        return (f"no such route: {where}; the API is /v1/models, /v1/completions and "
-                f"/v1/chat/completions (and /health, /metrics)")
+        return (f"no such route: {where}; the API is /v1/models, /v1/completions, "
+                f"/v1/chat/completions and /v1/responses (and /health, /metrics)")
     if status == 405:
         return f"method not allowed: {where}"
     return f"{http.HTTPStatus(status).phrase}: {where}"
@@ -218,6 +228,9 @@ class _Api:
     async def chat_completions(self, request: Request):
         return await self._serve(request, "chat")
 
+    async def responses(self, request: Request):
+        return await self._serve(request, "responses")
+
     # -- one request --------------------------------------------------------------------------
 
     async def _serve(self, request: Request, endpoint: str):
@@ -226,15 +239,13 @@ class _Api:
         # large schema) run on a worker thread (asyncio's bounded default pool), so that they
         # never hold the event loop, and with it every other request's stream.
         accepted = await asyncio.to_thread(
-            lambda: self._accept(parse_request(body, endpoint), request.headers.get(
-                "x-request-id")))
+            lambda: self._accept(_parse(body, endpoint), request.headers.get("x-request-id")))
         try:
             sub = self.loop.submit(accepted.admitted,
                                    priority=-accepted.request.priority)  # vLLM: lower first
         except Refused as refused:
             raise _from_refused(refused) from None
-        render = Render(accepted.response_id, accepted.model, self.fingerprint, accepted.request,
-                        tools=accepted.structured.tools)
+        render = self._render(accepted)
         headers = {"x-request-id": accepted.echo_id}
         if accepted.request.stream:
             return StreamingResponse(self._events(sub, render), media_type="text/event-stream",
@@ -270,13 +281,13 @@ class _Api:
         structured-output fields, then the engine's admission check); raises ApiError or
         RequestError."""
         model = self._served_name(request.model)
-        prefix = "chatcmpl" if request.endpoint == "chat" else "cmpl"
+        prefix = _ID_PREFIXES[request.endpoint]
         fresh = uuid.uuid4().hex[:24]
-        echo_id = self._echo_id(header_id, request.request_id) or f"{prefix}-{fresh}"
+        echo_id = self._echo_id(header_id, request.request_id) or f"{prefix}{fresh}"
         base = header_id or request.request_id or fresh
         structured = self._structured(request)
         prompt, tools = request.prompt, None
-        if request.prompt_kind == "chat":  # the model learns of its tools from the prompt
+        if request.is_chat:  # the model learns of its tools from the prompt
             prompt, tools = prompt_messages(prompt, structured.tools, self.chat_tools)
         try:
             self.loop.check_open()
@@ -285,21 +296,30 @@ class _Api:
         try:
             admitted = self.loop.admission.admit(
                 Prompt(request.prompt_kind, prompt, request.prompt_field, tools),
-                request.sampling_values(structured.output), request_id=f"{prefix}-{fresh}",
-                fill_context=request.endpoint == "chat")
+                request.sampling_values(structured.output), request_id=f"{prefix}{fresh}",
+                fill_context=request.is_chat)
         except AdmissionError as err:
             raise _refusal(request, structured, err) from None
-        return Accepted(request=request, model=model, response_id=f"{prefix}-{base}",
+        return Accepted(request=request, model=model, response_id=f"{prefix}{base}",
                         echo_id=echo_id, admitted=admitted, structured=structured)
 
     def _structured(self, request: OpenAIRequest) -> Structured:
         """The request's constraint (`meshserve.serving.openai_api.structured_fields`); tool
-        calls depend on what the chat template does with tools."""
+        calls depend on what the chat template does with tools. A refusal names the request's
+        own field (`OpenAIRequest.own_names`)."""
         try:
-            return read_request(request.structured_fields, chat=request.endpoint == "chat",
+            return read_request(request.structured_fields, chat=request.is_chat,
                                 chat_tools=self.chat_tools)
         except FieldError as err:
-            raise RequestError(err.param, str(err), code=err.code) from None
+            raise RequestError(request.own_names(err.param), request.own_names(str(err)),
+                               code=err.code) from None
+
+    def _render(self, accepted: Accepted) -> Render | ResponsesRender:
+        request, tools = accepted.request, accepted.structured.tools
+        if request.endpoint == "responses":
+            return ResponsesRender(accepted.response_id, accepted.model, request, tools=tools)
+        return Render(accepted.response_id, accepted.model, self.fingerprint, request,
+                      tools=tools)
 
     @staticmethod
     def _echo_id(header_id: str | None, body_id: str | None) -> str | None:
@@ -313,23 +333,29 @@ class _Api:
             return given
         return None
 
-    async def _events(self, sub: Submission, render: Render) -> AsyncIterator[str]:
+    async def _events(self, sub: Submission,
+                      render: Render | ResponsesRender) -> AsyncIterator[str]:
         """The SSE stream; leaving it early (a disconnect) cancels the request."""
         is_done = False
         try:
+            for event in render.opening():
+                yield render.sse(event)
             async for item in sub.items():
                 if isinstance(item, Failed):
                     is_done = True
-                    yield _sse(_from_refused(Refused(item.kind, item.message)).body())
+                    error = _from_refused(Refused(item.kind, item.message)).body()
+                    for event in render.failure(error):
+                        yield render.sse(event)
                     break
                 if isinstance(item, Delta):
-                    for chunk in render.delta(item):
-                        yield _sse(chunk)
+                    for event in render.delta(item):
+                        yield render.sse(event)
                     continue
                 is_done = True
-                for chunk in render.finish(item.output):
-                    yield _sse(chunk)
-            yield "data: [DONE]\n\n"
+                for event in render.finish(item.output):
+                    yield render.sse(event)
+            if render.END:
+                yield render.END
         finally:
             if not is_done:
                 self.loop.cancel(sub.request_id)
@@ -359,7 +385,8 @@ def _refusal(request: OpenAIRequest, structured: Structured,
     """The admission check's refusal, naming the request's field: a constraint's names the field
     that asked for it."""
     if err.param == "structured" and structured.field is not None:
-        return RequestError(structured.field, f"{structured.field}: {err.reason}")
+        field = request.own_names(structured.field)
+        return RequestError(field, f"{field}: {err.reason}")
     return RequestError(request.field_of(err.param), err.message)
 
 
@@ -368,15 +395,17 @@ def _too_large(limit: int) -> ApiError:
                     code="body_too_large")
 
 
+def _parse(body: dict, endpoint: str) -> OpenAIRequest:
+    if endpoint == "responses":
+        return parse_responses_request(body)
+    return parse_request(body, endpoint)
+
+
 async def _last(sub: Submission):
     last = None
     async for last in sub.items():
         pass
     return last
-
-
-def _sse(body: dict) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
 def system_fingerprint(loop: EngineLoop) -> str:

@@ -15,6 +15,7 @@ chunks together carry each output token once, as the whole response does.
 
 from __future__ import annotations
 
+import json
 import time
 
 from meshserve.serving.engine.loop import Delta
@@ -25,7 +26,11 @@ from meshserve.serving.openai_api.tool_calls import CallParser
 
 
 class Render:
-    """One request's response objects, whole or as stream chunks."""
+    """One request's response objects, whole or as stream chunks. A stream is `opening()` (no
+    chunk here), the chunks of each `delta` and of `finish` (or `failure`), each framed by
+    `sse`, then `END`."""
+
+    END = "data: [DONE]\n\n"
 
     def __init__(self, response_id: str, model: str, fingerprint: str, request: OpenAIRequest,
                  *, tools: ToolCalls | None = None):
@@ -34,7 +39,7 @@ class Render:
         own = tools is not None and tools.own is not None
         self.tool_stream = ToolCallStream(tools) if tools is not None and not own else None
         self.parser = CallParser(tools.own.format) if own else None
-        self.chat = request.endpoint == "chat"
+        self.chat = request.is_chat
         self.num_top = request.logprobs
         self.include_usage = request.include_usage
         self.continuous_usage = request.include_usage and request.continuous_usage
@@ -43,6 +48,18 @@ class Render:
         self.created = int(time.time())
         self.is_first = True
         self.num_chars = 0  # completions' text offset
+
+    def opening(self) -> list[dict]:
+        return []
+
+    @staticmethod
+    def failure(error: dict) -> list[dict]:
+        """A failure after the stream began: OpenAI's error object, as one event."""
+        return [error]
+
+    @staticmethod
+    def sse(event: dict) -> str:
+        return f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
 
     def _base(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,

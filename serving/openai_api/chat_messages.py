@@ -23,7 +23,7 @@ def read_messages(messages: Any) -> list[dict]:
 def check_messages(name: str, value: Any, endpoint: str) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise RequestError(name, "messages must be a non-empty list of {role, content}")
-    return [_message(f"{name}[{i}]", message) for i, message in enumerate(value)]
+    return [read_message(f"{name}[{i}]", message) for i, message in enumerate(value)]
 
 
 # Message keys other than role, content and name: OpenAI clients send them back as null with an
@@ -33,7 +33,8 @@ _MESSAGE_EXTRAS = ("tool_calls", "tool_call_id", "function_call", "refusal", "au
 MAX_NAME_CHARS = 64  # a participant's name, as OpenAI bounds function names
 
 
-def _message(where: str, message: Any) -> dict:
+def read_message(where: str, message: Any) -> dict:
+    """One chat message, at path `where` (`messages[2]`), read as the chat endpoint reads it."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise RequestError(where, f"{where} must be an object with a role (a string)")
     for key, value in message.items():

@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
-ENDPOINTS = ("completions", "chat")
+ENDPOINTS = ("completions", "chat")  # the endpoints of the field table (`fields.FIELDS`)
+RESPONSES = ("responses",)  # the Responses API, with a table of its own (`responses.FIELDS`)
 BACKENDS = ("auto", "llguidance", "guidance")
 
 

@@ -15,7 +15,8 @@ never gets a 200 for something that was not done. `docs/server.md` prints this t
 (`markdown_table()`, or `python -m meshserve.serving.openai_api.fields`); a test keeps the two
 equal. Making a refused field honoured is a change of its row (its verdict and check) and of
 `meshserve.serving.openai_api.request_model._build`, which puts the value into the `OpenAIRequest`
-(`BUILT` lists what it reads).
+(`BUILT` lists what it reads). The Responses API's table (`meshserve.serving.openai_api.responses`)
+is made of the same rows, this table's own where a field is the same.
 
 This module knows nothing of HTTP, the engine or the engine loop.
 """
@@ -25,9 +26,9 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from meshserve.serving.openai_api.checks import (BACKENDS, ENDPOINTS, Check, backend, json_value,
-                                                 logprobs, prompt, stop_strings, stream_options,
-                                                 token_ids, typed)
+from meshserve.serving.openai_api.checks import (BACKENDS, ENDPOINTS, RESPONSES, Check, backend,
+                                                 json_value, logprobs, prompt, stop_strings,
+                                                 stream_options, token_ids, typed)
 from meshserve.serving.openai_api.chat_messages import check_messages
 
 VERDICTS = ("honoured", "accepted", "refused")
@@ -51,7 +52,7 @@ class Field:
     def __post_init__(self):
         assert self.verdict in VERDICTS, self.verdict
         assert (self.check is None) == (self.verdict == "refused"), self.name
-        assert set(self.endpoints) <= set(ENDPOINTS), self.endpoints
+        assert set(self.endpoints) <= {*ENDPOINTS, *RESPONSES}, self.endpoints
 
 
 def honoured(name: str, note: str, check: Check, *, origin: str = "OpenAI",
@@ -242,18 +243,19 @@ assert {f.name for f in FIELDS if f.verdict == "honoured" and not f.sampling} ==
     "an honoured field that request_model._build does not use, or a used one not honoured")
 
 
-def markdown_table() -> str:
-    """The table as docs/server.md prints it."""
+def markdown_table(fields: tuple[Field, ...] = FIELDS, *, by_endpoint: bool = True) -> str:
+    """The table as docs/server.md prints it; `by_endpoint` adds the endpoints column."""
     lines = ["| field | endpoints | from | verdict | notes |", "|---|---|---|---|---|"]
-    for f in FIELDS:
+    if not by_endpoint:
+        lines = ["| field | from | verdict | notes |", "|---|---|---|---|"]
+    for f in fields:
         endpoints = "both" if f.endpoints == ENDPOINTS else f.endpoints[0]
         verdict = f.verdict
         if f.neutral:
             verdict += " unless " + " or ".join(f"`{json.dumps(v)}`" for v in f.neutral)
-        lines.append(f"| `{f.name}` | {endpoints} | {f.origin} | {verdict} | {f.note} |")
+        where = f" {endpoints} |" if by_endpoint else ""
+        lines.append(f"| `{f.name}` |{where} {f.origin} | {verdict} | {f.note} |")
     return "\n".join(lines)
-
-
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Any
+import re
+from typing import Any, Callable
 
 from meshserve.batching.structured import StructuredOutput
 from meshserve.serving.openai_api.checks import ENDPOINTS, RequestError
@@ -29,9 +30,12 @@ SAMPLING_FIELDS = {f.sampling: f.name for f in SAMPLING}  # SamplingParams field
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OpenAIRequest:
     """A request body that passed every field's check. `sampling` holds the `SamplingParams`
-    fields it sets, except max_tokens (the engine settles chat's default) and `logprobs`."""
+    fields it sets, except max_tokens (the engine settles chat's default) and `logprobs`. A
+    Responses API request is read as the chat request of its conversation
+    (`meshserve.serving.openai_api.responses`): `paths` names its fields where chat's differ,
+    and `echoed` holds the settings its response repeats."""
 
-    endpoint: str
+    endpoint: str  # completions, chat or responses
     model: str | None = None
     prompt_kind: str  # text, token_ids or chat
     prompt: Any
@@ -48,10 +52,24 @@ class OpenAIRequest:
     priority: int = 0  # vLLM's: lower first
     request_id: str | None = None
     structured_fields: dict[str, Any] = dataclasses.field(default_factory=dict)
+    paths: tuple[tuple[str, str], ...] = ()  # (a pattern of chat's field paths, this request's)
+    echoed: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def is_chat(self) -> bool:
+        """Messages through the chat template (chat, and the Responses API)."""
+        return self.prompt_kind == "chat"
 
     @property
     def logprobs_field(self) -> str:
-        return "top_logprobs" if self.endpoint == "chat" else "logprobs"
+        return "logprobs" if self.endpoint == "completions" else "top_logprobs"
+
+    def own_names(self, text: str) -> str:
+        """`text`, a field's path or a message naming one, with chat's field paths as this
+        request names them (`paths`)."""
+        for chat, own in self.paths:
+            text = re.sub(chat, own, text)
+        return text
 
     def sampling_values(self, structured: StructuredOutput | None = None) -> dict[str, Any]:
         """The `SamplingParams` fields this request sets, for the engine's admission check.
@@ -110,16 +128,23 @@ def parse_request(body: dict, endpoint: str) -> OpenAIRequest:
     """Checks every field of `body` for `endpoint` ("completions" or "chat"); raises
     RequestError at the first one that cannot be served."""
     assert endpoint in ENDPOINTS, endpoint
+    return _build(checked_values(body, lambda name: _known(name, endpoint), endpoint), endpoint)
+
+
+def checked_values(body: dict, row_of: Callable[[str], Field], endpoint: str) -> dict[str, Any]:
+    """The values of `body`'s fields, each checked by its row (`row_of(name)`, which refuses a
+    field the endpoint does not take): null is left out, and so is a refused field's neutral
+    value; any other value of a refused field is a RequestError naming it."""
     values = {}
     for name, value in body.items():
-        field = _known(name, endpoint)
+        field = row_of(name)
         if value is None:
             continue
         if field.verdict == "refused":
             _refuse_unless_neutral(field, value)
         else:
             values[name] = field.check(name, value, endpoint)
-    return _build(values, endpoint)
+    return values
 
 
 def _known(name: str, endpoint: str) -> Field:
