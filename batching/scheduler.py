@@ -356,6 +356,16 @@ class Scheduler:
         request.pages.extend(pages)
         return True
 
+    def truncate_pages(self, request: Request, num_pages: int) -> None:
+        """Gives back the request's pages past its first `num_pages`, last first: pages taken
+        for tokens it did not keep (rejected speculative drafts). They hold no computed token
+        of it, so none is in the prefix cache."""
+        tail = request.pages[num_pages:]
+        assert num_pages * self.config.page_size >= request.num_computed_tokens, \
+            "truncate_pages would drop computed tokens"
+        self.allocators[request.replica].free(reversed(tail))
+        del request.pages[num_pages:]
+
     def preempt(self, request: Request) -> None:
         """Sends a running request back to the front of the queue, freeing all its pages."""
         self.running.remove(request)

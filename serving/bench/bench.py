@@ -11,9 +11,12 @@ The workloads are `meshserve.serving.bench.workloads`'s.
 
 Reported per policy: output tokens/s, request/s, padding waste (prefill and decode), host
 overhead, KV pages and internal fragmentation (sampled after every step), preemptions, compiles
-after warm-up, and the ratios continuous/static. Around that: the decode roofline of this machine
-(`run_roofline`), sweeps over rates or concurrencies, the highest Poisson rate that still meets
-the SLOs (`find_max_rate`), and peers (`run_peers`, through `meshserve.serving.bench.peers`).
+after warm-up, speculative decoding's counts when the continuous engine speculates
+(`--speculative-config`: drafted, accepted and emitted tokens, acceptance rate per position; the
+static baseline never does), and the ratios continuous/static. Around that: the decode roofline
+of this machine (`run_roofline`), sweeps over rates or concurrencies, the highest Poisson rate
+that still meets the SLOs (`find_max_rate`), and peers (`run_peers`, through
+`meshserve.serving.bench.peers`).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ def run_offline(engine: Engine, requests: list[BenchRequest], *,
     """All requests at t=0; returns throughput, the engine-side counters, and each request's
     TTFT and E2EL from the engine's clock (send time = t=0)."""
     before = dataclasses.replace(engine.stats)
+    spec_before = _speculative_stats(engine)
     ttfts, e2els = [], []
     with _kv_sampler(engine) as kv, tqdm(total=len(requests), desc="requests", unit="req",
                                          disable=not progress, leave=False) as bar:
@@ -73,7 +77,7 @@ def run_offline(engine: Engine, requests: list[BenchRequest], *,
         "total_tokens_per_s": (num_output + sum(len(r.prompt_token_ids) for r in requests)) / wall,
         "ttft_s": latency.distribution(ttfts), "e2el_s": latency.distribution(e2els),
         "samples": {"ttft_s": ttfts, "e2el_s": e2els},
-    } | _engine_side(engine, before, wall, kv)
+    } | _engine_side(engine, before, wall, kv) | _speculative_side(engine, spec_before)
 
 
 def run_online(engine: Engine, requests: list[BenchRequest], *, rate: float | None = None,
@@ -91,6 +95,7 @@ def run_online(engine: Engine, requests: list[BenchRequest], *, rate: float | No
     if frontend == "http":
         port = server.http_port
     before = dataclasses.replace(engine.stats)
+    spec_before = _speculative_stats(engine)
     try:
         with _kv_sampler(engine) as kv:
             timings, wall = loadgen.run_online(f"127.0.0.1:{port}", requests, rate=rate,
@@ -105,7 +110,22 @@ def run_online(engine: Engine, requests: list[BenchRequest], *, rate: float | No
     samples = {"ttft_s": [t.ttft for t in done if t.ttft is not None],
                "tpot_s": [t.tpot for t in done if t.tpot is not None],
                "e2el_s": [t.e2el for t in done if t.e2el is not None]}
-    return summary | aliases | {"samples": samples} | _engine_side(engine, before, wall, kv)
+    return (summary | aliases | {"samples": samples} | _engine_side(engine, before, wall, kv)
+            | _speculative_side(engine, spec_before))
+
+
+def _speculative_stats(engine: Engine):
+    """A copy of the engine's speculation counters, or None when it does not speculate."""
+    speculator = getattr(engine, "speculator", None)
+    return None if speculator is None else speculator.stats.copy()
+
+
+def _speculative_side(engine: Engine, before) -> dict[str, Any]:
+    """What speculation did during a run (drafted, accepted and emitted tokens, acceptance
+    rate, mean acceptance length, per position), under "speculative"; nothing without it."""
+    if before is None:
+        return {}
+    return {"speculative": engine.speculator.stats.since(before).summary()}
 
 
 @contextlib.contextmanager
@@ -172,11 +192,14 @@ def _stats_delta(before, after):
 
 
 def make_engines(model, config: EngineConfig) -> dict[str, Engine]:
-    """One warmed engine per policy, sharing one runner (one compiled set)."""
+    """One warmed engine per policy, sharing one runner (one compiled set). The static
+    baseline never speculates: a `speculative_config` applies to the continuous engine."""
     engines, runner = {}, None
     for policy in POLICY_NAMES:
+        spec = config.speculative_config if policy == "continuous" else None
         engine = Engine.from_model(model, None,
-                                   dataclasses.replace(config, policy=policy, warmup=True),
+                                   dataclasses.replace(config, policy=policy, warmup=True,
+                                                       speculative_config=spec),
                                    runner=runner)
         engines[policy], runner = engine, engine.runner
     return engines

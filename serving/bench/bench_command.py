@@ -23,8 +23,9 @@ HELP = "continuous vs static batching, side by side"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", default="chat-mix",
-                        help="chat-mix, long, shared-prefix, fixed-IxO (fixed-128x64) or "
-                             "jsonl:PATH")
+                        help="chat-mix, long, shared-prefix, grounded (answers that copy their "
+                             "input: where --speculative-config pays), fixed-IxO (fixed-128x64) "
+                             "or jsonl:PATH")
     parser.add_argument("--prompts", type=Path, default=None,
                         help="a JSONL file of prompts (same as --workload jsonl:PATH)")
     parser.add_argument("--max-tokens", type=int, default=64,
@@ -351,6 +352,12 @@ def _bench_requests(args: argparse.Namespace, llm: LLM) -> list:
                                          vocab_size=llm.model_config.vocab_size,
                                          default_max_tokens=args.max_tokens)
     num_requests = args.num_requests or (16 if args.quick else 64)
+    if args.workload == "grounded":  # each answer capped within max_model_len
+        max_len = llm.engine.config.max_model_len
+        return [dataclasses.replace(r, num_output_tokens=min(
+                    r.num_output_tokens, max_len - len(r.prompt_token_ids)))
+                for r in workloads.grounded_workload(llm.tokenizer, num_requests=num_requests,
+                                                     seed=args.seed)]
     requests = workloads.make_workload(args.workload, num_requests=num_requests,
                                    vocab_size=llm.model_config.vocab_size, seed=args.seed)
     if args.quick:  # short, and within max_model_len
@@ -376,6 +383,14 @@ def _print_bench(results: dict, roof: dict | None, *, online: bool) -> None:
               f"{kv['mean_fragmentation']:>9.1%} {kv['peak_fragmentation']:>9.1%} "
               f"{r['preemptions']:>7} {r['compiles_after_warmup']:>10} "
               f"{r['stage_utilisation']:>10.1%}")
+    spec = results["continuous"].get("speculative")
+    if spec is not None and spec["num_draft_tokens"]:
+        rates = ", ".join(f"{rate:.2f}" for rate in spec["acceptance_rate_per_position"]
+                          if rate is not None)
+        print(f"speculative: {spec['num_draft_tokens']} drafted, {spec['num_accepted_tokens']} "
+              f"accepted ({spec['acceptance_rate']:.1%}; per position {rates}), mean "
+              f"acceptance length {spec['mean_acceptance_length']:.2f}, "
+              f"{spec['num_steps_off']} steps off for load")
     if roof is not None:
         print(f"roofline: bandwidth {roof['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, matmul "
               f"{roof['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s, context {roof['context']}")

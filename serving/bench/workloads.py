@@ -11,6 +11,10 @@ The workloads (prompt tokens are seeded random ids; every output is forced to it
   shared-prefix  4 system prompts of 256 tokens, each request one of them (at random) then its
               own question, lognormal median 32, clipped to [8, 128]; outputs as chat-mix but
               clipped to [4, 128]: what prefix caching is for
+  grounded    text prompts whose answers copy, quote or edit their input (`grounded_workload`:
+              repeat a passage, change one word, quote and summarise, rename a function in
+              code), greedy, ended by the model's EOS (at most 256 tokens): where speculative
+              decoding by prompt lookup pays. Needs the model's tokenizer.
 
   jsonl:PATH  the user's own prompts (`load_jsonl_workload`): one JSON object a line with
               `prompt` (text, through the model's tokenizer) or `prompt_token_ids`, and an
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -67,7 +72,10 @@ def _lengths(name: str, n: int, rng: np.random.Generator) -> tuple[np.ndarray, n
     if name.startswith("fixed-"):
         prompt_len, output_len = (int(x) for x in name.removeprefix("fixed-").split("x"))
         return np.full(n, prompt_len), np.full(n, output_len)
-    raise ValueError(f"unknown workload {name!r}; use chat-mix, long, shared-prefix or "
+    if name == "grounded":
+        raise ValueError("the grounded workload is text: build it with "
+                         "grounded_workload(tokenizer)")
+    raise ValueError(f"unknown workload {name!r}; use chat-mix, long, shared-prefix, grounded or "
                      f"fixed-IxO (fixed-128x64)")
 
 
@@ -141,3 +149,46 @@ def _parse_workload_line(line: str, where: str, *, tokenizer, vocab_size: int | 
             raise ValueError(f"{where}: token id {max(ids)} is outside the vocabulary of "
                              f"{vocab_size}")
     return BenchRequest(prompt_token_ids=list(ids), num_output_tokens=max_tokens)
+
+
+# -- grounded: answers that copy, quote or edit their input (where speculation pays) -------------
+
+GROUNDED_MAX_TOKENS = 256  # the longest answer; the model's EOS usually ends it first
+
+
+def grounded_workload(tokenizer, *, num_requests: int, seed: int = 0,
+                      max_tokens: int = GROUNDED_MAX_TOKENS) -> list[BenchRequest]:
+    """Chat prompts whose answers copy their input (`data/grounded.json`): repeat a passage
+    exactly, rewrite it with one word changed, quote its first sentence and summarise it, or
+    rename a function in a piece of code and return the whole code. Outputs end at the model's
+    EOS (at most `max_tokens`). Needs the model's tokenizer and chat template."""
+    if tokenizer is None:
+        raise ValueError("the grounded workload is text: it needs a model with a tokenizer")
+    data = json.loads(resources.files("meshserve.serving.bench").joinpath(
+        "data/grounded.json").read_text(encoding="utf-8"))
+    tasks = _grounded_tasks(data)
+    order = np.random.default_rng(seed).permutation(num_requests) % len(tasks)
+    requests = []
+    for index in order:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": tasks[index]}])
+        requests.append(BenchRequest(prompt_token_ids=tokenizer.encode(prompt),
+                                     num_output_tokens=max_tokens, stop_at_eos=True))
+    return requests
+
+
+def _grounded_tasks(data: dict) -> list[str]:
+    """Every task the data gives, in a fixed order: four per passage, one per piece of code."""
+    tasks = []
+    for passage, (old, new) in zip(data["passages"], data["passage_swaps"]):
+        first = passage.split(". ")[0].rstrip(".") + "."
+        tasks += [f"Repeat the following text exactly, word for word:\n\n{passage}",
+                  f"Rewrite the following text, changing only \"{old}\" to \"{new}\" and keeping "
+                  f"everything else the same:\n\n{passage}",
+                  f"Quote the first sentence of the following text, then summarise the rest in "
+                  f"one sentence:\n\n{passage}",
+                  f"Correct any mistakes in the following text and return it in full:\n\n"
+                  f"{passage.replace(first, first.lower(), 1)}"]
+    for code, (old, new) in zip(data["code"], data["code_renames"]):
+        tasks.append(f"Rename `{old}` to `{new}` in the following code and return the whole "
+                     f"code:\n\n```\n{code}```")
+    return tasks

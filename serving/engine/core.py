@@ -13,6 +13,11 @@ constraint by the admission's `GrammarCompiler`), which the scheduler advances w
 token and whose mask each plan carries to the device sampler; a step's constrained requests have
 their next masks computed together (`grammar.fill_masks`, the library's parallel fill).
 
+With a `speculative_config` the engine speculates (`batching/speculative.py`): between schedule
+and execute the `Speculator` adds drafted tokens to the plan as extra rows, and the step's
+results are applied as rounds of one token per request, each an ordinary update, so every stop,
+the prefix cache and preemption see only accepted tokens.
+
 The scheduler owns each request's tokens, pages, token-level stops and preemption; a `Stream`
 (`serving/engine/streams.py`) owns what the caller sees of it: text, stop strings and logprobs. The
 engine applies a stream's stop-string cut through the scheduler. `EngineConfig`
@@ -38,6 +43,7 @@ from meshserve.batching.plan import StepPlan
 from meshserve.batching.request import Request, constrained_stop, stop_status_at
 from meshserve.batching.sampling import SamplingParams
 from meshserve.batching.scheduler import Scheduler, takes_token
+from meshserve.batching.speculative import Speculation
 from meshserve.batching.structured import BOUNDS
 from meshserve.model.loading.hub import cache_root
 from meshserve.batching.runner_protocol import Runner, SampledRows, StepRunner
@@ -50,6 +56,7 @@ from meshserve.serving.engine.admission import Admission, Admitted, Prompt
 from meshserve.serving.engine.engine_config import EngineConfig
 from meshserve.serving.engine.grammar import fill_masks
 from meshserve.serving.engine.multihost import payload_sizes
+from meshserve.serving.engine.speculation import make_speculator
 from meshserve.serving.engine.outputs import RequestOutput
 from meshserve.serving.engine.streams import Stream
 from meshserve.sharding.layout import prepare
@@ -82,6 +89,8 @@ class Engine:
             json_bounds={name: getattr(config, f"structured_{name}") for name in BOUNDS})
         self._streams: dict[str, Stream] = {}
         self._ids = itertools.count()
+        # Speculative decoding (`batching/speculative.py`): drafts as extra rows of the step.
+        self.speculator = make_speculator(config, runner)
         self.stats = EngineStats()
         if config.compilation_cache:
             enable_compilation_cache(cache_root(None) / "xla")
@@ -123,6 +132,8 @@ class Engine:
         try:
             with CompileCounter() as compiles:
                 keys = self.runner.warmup(progress=progress)
+                if self.speculator is not None:  # a draft model's own programs
+                    self.speculator.warmup(progress=progress)
                 if channel is not None:
                     channel.warmup(payload_sizes(self.runner, keys))
         finally:
@@ -135,16 +146,18 @@ class Engine:
                   f"compilation cache)", file=sys.stderr, flush=True)
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                    request_id: str | None = None, priority: int = 0) -> str:
+                    request_id: str | None = None, priority: int = 0,
+                    speculate: bool = True) -> str:
         """Checks a request (`self.admission`) and queues it; raises `AdmissionError` (a
-        ValueError), naming the field and what to change, if it can never run."""
+        ValueError), naming the field and what to change, if it can never run. `speculate`
+        False keeps it from drafting when the engine speculates."""
         if request_id is None:
             request_id = str(next(self._ids))
         admitted = self.admission.admit(Prompt.of(prompt), params or SamplingParams(),
                                         request_id=request_id)
-        return self.enqueue(admitted, priority=priority)
+        return self.enqueue(admitted, priority=priority, speculate=speculate)
 
-    def enqueue(self, admitted: Admitted, *, priority: int = 0) -> str:
+    def enqueue(self, admitted: Admitted, *, priority: int = 0, speculate: bool = True) -> str:
         """Queues a request the admission check passed, checking nothing again; a request id
         already in use is a ValueError."""
         request_id = admitted.request_id
@@ -153,6 +166,7 @@ class Engine:
         request = Request(request_id=request_id, prompt_token_ids=admitted.prompt_ids,
                           params=admitted.params, priority=priority)
         request.constraint = admitted.constraint
+        request.speculate = speculate
         self.scheduler.add(request)  # its fit check is an invariant here: admission checked it
         self._streams[request_id] = Stream.open(request, admitted.prompt_text, self.tokenizer)
         return request_id
@@ -166,12 +180,39 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        speculation = self._speculate(plan)
+        if speculation is not None:
+            plan = speculation.plan
         started = time.perf_counter()
         with CompileCounter() as compiles:
             results = self.runner.execute(plan)
         self.stats.record_step(plan, self.runner, time.perf_counter() - started, compiles.count)
         self.stats.device_wait_seconds += self.runner.last_wait_seconds
+        if speculation is not None:
+            return self._update_verified(speculation, results)
         return self._update(plan, results)
+
+    # -- speculative decoding -------------------------------------------------------------------
+
+    def _speculate(self, plan: StepPlan) -> Speculation | None:
+        """The plan with drafts as extra rows, when the engine speculates and the step can take
+        some (`Speculator.expand`); else None."""
+        if self.speculator is None:
+            return None
+        return self.speculator.expand(plan, self.scheduler)
+
+    def _update_verified(self, speculation: Speculation,
+                         results: list[SampledRows]) -> list[RequestOutput]:
+        """Applies a step with drafts round by round (`Speculation.rounds`): each round is an
+        ordinary update of one token per request, so stops cut the accepted runs; then the
+        pages of rejected drafts go back (`Speculator.settle`). One output per request, its
+        last."""
+        tokens = [rows.tokens for rows in results]
+        outputs: dict[str, RequestOutput] = {}
+        for round_plan in speculation.rounds(tokens):
+            outputs.update((out.request_id, out) for out in self._update(round_plan, results))
+        self.speculator.settle(speculation, tokens, self.scheduler)
+        return list(outputs.values())
 
     def _claim_runner(self) -> None:
         """Engines that share a runner share its KV cache, one engine at a time: when another

@@ -10,7 +10,8 @@ its help text and whether it costs a compile; the command line is generated from
 
 Knobs that change compiled shapes (and so cost a recompile): `mesh`, `quantization`,
 `num_pages`, `page_size`, `max_num_seqs`, `max_num_batched_tokens`, `prefill_chunk`,
-`max_model_len`, `max_logprobs`, `attention` and `pipeline_rounds`. The rest are host policy.
+`max_model_len`, `max_logprobs`, `attention` and `pipeline_rounds`. The rest are host policy,
+`speculative_config` included (drafts are rows of the ragged step: `batching/speculative.py`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, Sequence
 
 from meshserve.batching.knobs import SchedulerConfig, SchedulingKnobs, knob, same_knob
 from meshserve.batching.pipeline_schedule import UnitShape
+from meshserve.batching.speculative import SpeculativeConfig
 from meshserve.batching.structured import BOUNDS, check_bound
 from meshserve.model.length_predictor import LearnedPredictor
 from meshserve.model.quant_formats import SCHEMES
@@ -63,6 +65,14 @@ class EngineConfig(SchedulingKnobs):
     structured_max_integer_digits: int | None = knob(
         None, "JSON constraints a request leaves unbounded: the most digits before a number's "
               "point; unset: none")
+    speculative_config: str | dict | SpeculativeConfig | None = knob(
+        None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", "
+              "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
+              "\"prompt_lookup_min\": 2}, or {\"method\": \"draft_model\", \"model\": "
+              "NAME, \"num_speculative_tokens\": 4}; \"disable_by_batch_size\": no drafts in "
+              "a step where more rows sample (default 4); unset: off. Drafts are rows of the "
+              "ragged step: no program is added (a draft model compiles its own)",
+        metavar="JSON")
     warmup: bool = knob(True, "compile every bucket at start")
     compilation_cache: bool = knob(True, "keep compiled programs in <cache dir>/xla across runs "
                                          "(process-wide: once on, on for every engine)")
@@ -82,6 +92,30 @@ class EngineConfig(SchedulingKnobs):
         if self.native_kernels and self.mesh_config.num_devices > 1:
             raise ValueError("native_kernels runs on one CPU device; it does not split over a "
                              f"mesh ({self.mesh})")
+        self._check_speculation()
+
+    def _check_speculation(self) -> None:
+        """The speculative config parsed (a dict, JSON text or a `SpeculativeConfig`), and the
+        combinations that cannot speculate refused by name."""
+        spec = SpeculativeConfig.coerce(self.speculative_config)
+        object.__setattr__(self, "speculative_config", spec)
+        if spec is None:
+            return
+        if spec.method == "draft_model" and self.mesh_config.num_devices > 1:
+            raise ValueError("speculative_config: method 'draft_model' runs its draft model on "
+                             f"one device; it is not supported on a mesh ({self.mesh})")
+        if self.policy != "continuous":
+            raise ValueError(f"speculative_config needs policy 'continuous'; the {self.policy} "
+                             "baseline never speculates")
+        if self.mesh_config.stage > 1:
+            raise ValueError("speculative_config is not supported with pipeline stages "
+                             f"(mesh {self.mesh}): a pipeline call plans its rounds before "
+                             "their tokens exist")
+        if spec.num_speculative_tokens + 1 > self.max_num_seqs:
+            raise ValueError(f"speculative_config.num_speculative_tokens "
+                             f"({spec.num_speculative_tokens}) + 1 must be <= max_num_seqs "
+                             f"({self.max_num_seqs}): each draft takes a sequence slot of the "
+                             "step")
 
     def _trial_runner_config(self) -> RunnerConfig:
         """The runner's validation of its knobs, run as soon as the config is built."""

@@ -60,6 +60,24 @@ Counters:
                                             step plans to the other processes (divide by the
                                             step count of step_duration_seconds for per step)
 
+Speculative decoding (engines with a `speculative_config`; `batching/speculative.py`), vLLM's
+names:
+    meshserve:spec_decode_num_drafts_total  verifications: (request, step) pairs with drafts
+    meshserve:spec_decode_num_draft_tokens_total     tokens drafted
+    meshserve:spec_decode_num_accepted_tokens_total  drafts the verification accepted
+    meshserve:spec_decode_num_emitted_tokens_total   outputs of the speculating requests in
+                                            those steps (accepted drafts' tokens plus the
+                                            correction or bonus, less what a stop cut)
+    meshserve:spec_decode_num_accepted_tokens_per_pos_total  by `position` (0 is the first
+                                            draft): drafts accepted there
+    meshserve:spec_decode_num_draft_tokens_per_pos_total     by `position`: drafts there
+    meshserve:spec_decode_num_steps_disabled_total   steps the load rule (disable_by_batch_size)
+                                            kept from speculating
+    meshserve:spec_decode_draft_acceptance_rate  gauge: accepted / drafted tokens, over the
+                                            engine's life
+    meshserve:spec_decode_mean_acceptance_length  gauge: tokens per verification, 1 + accepted
+                                            drafts / verifications, over the engine's life
+
 The engine's cumulative counters (preemptions, compiles) are read in `observe_step`, which adds
 what changed since the previous call, so the exported totals equal the engine's over its life.
 
@@ -185,6 +203,56 @@ class ServerMetrics:
         self._constraint_seconds = 0.0
         self._constraint_batches = 0
         self._http: tuple | None = None  # (server, thread) of start_http_server
+        self._add_speculative(labels)
+
+    def _add_speculative(self, labels: tuple[str, ...]) -> None:
+        """The speculative decoding counters and gauges (exported with or without it)."""
+        def counter(name, doc):
+            return Counter(PREFIX + name, doc, labels, registry=self.registry).labels(
+                self.model_name)
+
+        self.spec_counters = {
+            "num_drafts": counter("spec_decode_num_drafts", "Verifications (request, step)."),
+            "num_draft_tokens": counter("spec_decode_num_draft_tokens", "Tokens drafted."),
+            "num_accepted_tokens": counter("spec_decode_num_accepted_tokens",
+                                           "Drafted tokens accepted."),
+            "num_emitted_tokens": counter("spec_decode_num_emitted_tokens",
+                                          "Tokens emitted by speculating requests."),
+            "num_steps_off": counter("spec_decode_num_steps_disabled",
+                                     "Steps the load rule kept from speculating."),
+        }
+        self.spec_per_position = {
+            name: Counter(PREFIX + metric, doc, labels + ("position",), registry=self.registry)
+            for name, metric, doc in (
+                ("accepted_tokens_per_position", "spec_decode_num_accepted_tokens_per_pos",
+                 "Drafted tokens accepted, by position."),
+                ("draft_tokens_per_position", "spec_decode_num_draft_tokens_per_pos",
+                 "Tokens drafted, by position."))}
+        self.spec_acceptance_rate = Gauge(
+            PREFIX + "spec_decode_draft_acceptance_rate", "Accepted / drafted tokens.", labels,
+            registry=self.registry).labels(self.model_name)
+        self.spec_mean_acceptance_length = Gauge(
+            PREFIX + "spec_decode_mean_acceptance_length", "Tokens per verification.", labels,
+            registry=self.registry).labels(self.model_name)
+        self._spec_seen = None  # the speculator's stats as of the previous observe_step
+
+    def _observe_speculation(self, speculator) -> None:
+        """Adds what the speculator counted since the previous call."""
+        if speculator is None:
+            return
+        stats = speculator.stats
+        grown = stats.since(self._spec_seen) if self._spec_seen is not None else stats
+        for name, counter in self.spec_counters.items():
+            if getattr(grown, name) > 0:
+                counter.inc(getattr(grown, name))
+        for name, counter in self.spec_per_position.items():
+            for position, count in enumerate(getattr(grown, name)):
+                if count > 0:
+                    counter.labels(self.model_name, str(position)).inc(count)
+        if stats.acceptance_rate is not None:
+            self.spec_acceptance_rate.set(stats.acceptance_rate)
+            self.spec_mean_acceptance_length.set(stats.mean_acceptance_length)
+        self._spec_seen = stats.copy()
 
     # -- the engine loop ------------------------------------------------------------------------
 
@@ -214,6 +282,7 @@ class ServerMetrics:
         if channel is not None:
             self._broadcast_seconds = _add_growth(self.plan_broadcast_seconds,
                                                   self._broadcast_seconds, channel.seconds)
+        self._observe_speculation(getattr(engine, "speculator", None))
         self.num_requests_running.set(scheduler.num_running)
         self.num_requests_waiting.set(scheduler.num_waiting)
         self.warmup_programs.set(stats.warmup_compiles)

@@ -9,6 +9,8 @@
         print(partial.outputs[0].text)                  # everything so far, as tokens arrive
 
     llm = LLM(model="smollm2-135m-instruct", mesh="data=2,model=4")  # or a MeshConfig
+    llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                  "prompt_lookup_max": 4, "prompt_lookup_min": 2})
 
 Keyword arguments other than `dtype`, `seed` and `cluster` are `EngineConfig` fields. Weights are
 read one tensor at a time and go to the mesh's devices already split
