@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Iterator, NamedTuple, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -253,7 +253,8 @@ def _is_constrained(row: Row) -> bool:
 
 def _allowed(rows: Sequence[Row]) -> np.ndarray:
     """Each sampled constrained row's mask of the tokens allowed next ([B, W]); -1 elsewhere,
-    and one word wide when no row is constrained (the runner pads it)."""
+    and one word wide when no row is constrained (the runner pads it). A mask still due (the
+    engine computes it while the step's forward pass runs) stays -1 until `with_masks`."""
     masks = {i: row.request.constraint for i, row in enumerate(rows) if _is_constrained(row)}
     if not masks:
         return np.full((len(rows), 1), -1, np.int32)
@@ -263,8 +264,23 @@ def _allowed(rows: Sequence[Row]) -> np.ndarray:
         # A policy never plans a constrained row ahead of its matcher (Request.awaits_output).
         assert constraint.num_consumed == len(rows[i].request.output_token_ids), \
             "a constrained row was planned before its last output was known"
-        allowed[i] = constraint.mask
+        if not constraint.is_mask_due:
+            allowed[i] = constraint.mask
     return allowed
+
+
+def with_masks(plan: StepPlan, mask_of: Callable[[str], np.ndarray | None]) -> StepPlan:
+    """`plan` with each constrained row's `allowed` mask replaced by `mask_of(request id)`
+    (None: left as it is)."""
+    sampling = []
+    for arrays, ids in zip(plan.sampling, plan.row_requests):
+        allowed = arrays.allowed.copy()
+        for row in np.flatnonzero(arrays.is_constrained):
+            mask = mask_of(ids[row])
+            if mask is not None:
+                allowed[row] = mask
+        sampling.append(dataclasses.replace(arrays, allowed=allowed))
+    return dataclasses.replace(plan, sampling=tuple(sampling))
 
 
 def _history(rows: Sequence[Row]) -> tuple[np.ndarray, np.ndarray]:

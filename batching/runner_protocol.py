@@ -3,6 +3,12 @@
     keys = runner.warmup()          # compile every program a plan can need; run nothing
     results = runner.execute(plan)  # one call: the plan's sampled tokens, back on the host
 
+A runner whose `splits_sampling` is true can also run a step as two calls (`SplitRunner`):
+
+    forward = runner.forward(plan.sub_batches)      # dispatched; returns at once
+    ...                                             # the host computes the step's masks
+    results = runner.sample(forward, plan.sampling) # what execute(plan) returns
+
 Three runners keep it:
   - `ModelRunner` (model/executor/runner.py): a `StepPlan` runs as one compiled ragged step and
     returns one `SampledRows` per sub-batch;
@@ -46,6 +52,7 @@ class Runner(Protocol):
     last_wait_seconds: float  # of the last `execute`, the time spent waiting for the device
     last_user: object | None  # the engine that ran last (engines sharing a runner take turns)
     channel: Any | None  # the plan stream of a multi-process run (serving/engine/multihost.py)
+    splits_sampling: bool  # whether it is a `SplitRunner` that can split a step now
 
     def warmup(self, *, progress: bool = True) -> list[tuple[int, ...]]:
         """Compiles every program a plan can need, runs nothing; returns the keys of the calls
@@ -62,4 +69,22 @@ class StepRunner(Runner, Protocol):
 
     def padded_tokens(self, sub_batches: Sequence[SubBatchPlan]) -> int:
         """Token slots a step of `sub_batches` computes, padding included."""
+        ...
+
+
+class SplitRunner(StepRunner, Protocol):
+    """A step runner that also runs a step as its forward pass, then its sampling, so the host
+    works between them while the device runs the forward pass (see the module docstring)."""
+
+    def forward(self, sub_batches: Sequence[SubBatchPlan]) -> Any:
+        """Dispatches the forward pass of a step of `sub_batches`; returns without waiting."""
+        ...
+
+    def sample(self, forward: Any, sampling: Sequence[Any]) -> list[SampledRows]:
+        """The step's sampled rows, `forward` sampled under `sampling` (`SamplingArrays`)."""
+        ...
+
+    def finished_at(self, forward: Any) -> float | None:
+        """When the device finished `forward`, on `time.perf_counter()`'s clock, asked after
+        `sample` returned; None if unknown."""
         ...

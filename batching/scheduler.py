@@ -29,6 +29,14 @@ step a request's pages wholly behind the window of its next token are freed (cac
 since no query of its will read them again; their places in its page list hold the dummy page,
 so page indices stay positions // page_size. `num_window_freed_pages` counts them.
 
+Structured output: the constrained requests of a step take their tokens in `update`, and their
+next masks are computed together, in one fill of all of them (`batching/structured.py`). With
+`defers_masks` the fill waits for `fill_due_masks`, which the engine calls while the device runs
+the next step's forward pass: a plan made meanwhile leaves the due masks out, and `masked` puts
+them in once computed. A request whose constraint ends it at the fill (the rare matcher that
+goes on but whose next bytes no token spells) has then been planned once more; its row's
+results are dropped, as an aborted request's are.
+
 Data parallelism (`num_replicas` > 1): every replica has its own page pool (and prefix cache),
 seats, and token budget, each sized as one replica's `num_pages`, `max_num_seqs` and
 `max_num_batched_tokens`. The waiting queue is shared; the policy places a request on a replica
@@ -52,11 +60,11 @@ from meshserve.batching.knobs import POLICY_NAMES, SchedulerConfig
 from meshserve.batching.length import LengthPredictor, PriorPredictor, extract_features
 from meshserve.batching.ordering import make_ordering
 from meshserve.batching.pages import DUMMY_PAGE, PageAllocator, num_pages_for
-from meshserve.batching.plan import StepPlan, build_plan
+from meshserve.batching.plan import StepPlan, build_plan, with_masks
 from meshserve.batching.policy import Policy
 from meshserve.batching.request import Request, RequestStatus, constrained_stop, stop_status
 from meshserve.batching.static import StaticPolicy
-from meshserve.batching.structured import MaskFiller, advance_all, fill_each
+from meshserve.batching.structured import MaskFiller, fill_due, fill_each
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -93,11 +101,12 @@ class Scheduler:
     preemption_cost; moves: admit, reserve_pages, preempt)."""
 
     def __init__(self, config: SchedulerConfig, predictor: LengthPredictor | None = None, *,
-                 fill_masks: MaskFiller = fill_each):
+                 fill_masks: MaskFiller = fill_each, defers_masks: bool = False):
         """`predictor` predicts each request's output length when it is added, and learns from
         each that finishes; "predicted" ordering without one uses the prior. `fill_masks`
         computes the next masks of a step's constrained requests, all at once
-        (`batching/structured.py`, `advance_all`)."""
+        (`batching/structured.py`, `advance_all`); with `defers_masks`, not in `update` but in
+        `fill_due_masks` (see the module docstring)."""
         self.config = config
         self.ordering = make_ordering(config)
         if predictor is None and self.ordering.needs_predictions:
@@ -111,6 +120,8 @@ class Scheduler:
         self._num_preemptions = 0
         self._num_cached_tokens = 0
         self.fill_masks = fill_masks
+        self.defers_masks = defers_masks
+        self._due: list[Request] = []  # requests whose constraint's mask is due
         self.constraint_seconds = 0.0  # host time advancing matchers and computing their masks
         self.num_constraint_advances = 0  # tokens the matchers took
         self.num_constraint_batches = 0  # steps (pipeline calls) in which some matcher took one
@@ -130,6 +141,11 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    @property
+    def has_due_masks(self) -> bool:
+        """Whether some constraint took a token whose next mask `fill_due_masks` computes."""
+        return bool(self._due)
 
     @property
     def num_preemptions(self) -> int:
@@ -191,8 +207,10 @@ class Scheduler:
             if row.is_sampled:
                 pending += self._append_output(request, int(tokens[row.batch][row.row]))
                 touched.append(request)
-        # The constrained requests' matchers take their tokens together: one fill of all masks.
-        ends = self.advance_constraints([(request, token) for request, token, _ in pending])
+        # The constrained requests' matchers take their tokens together: one fill of all masks
+        # (with `defers_masks`, later, for the requests that go on).
+        ends = self.advance_constraints([(request, token) for request, token, _ in pending],
+                                        defer=[stop is None for _, _, stop in pending])
         for (request, _, stop), end in zip(pending, ends):
             stop = constrained_stop(request, stop, end)
             if stop is not None:
@@ -236,21 +254,56 @@ class Scheduler:
         (no plan ran ahead of the matcher: see `Request.awaits_output`)."""
         request.output_token_ids[index] = token
 
-    def advance_constraints(self, pairs: Sequence[tuple[Request, int]]
+    def advance_constraints(self, pairs: Sequence[tuple[Request, int]], *,
+                            defer: Sequence[bool] = ()
                             ) -> list[tuple[RequestStatus, str | None] | None]:
         """Each `(request, token)`'s constraint takes the token, and their next masks are
         computed together (`advance_all` with `fill_masks`); returns how each constraint ends
         its request, if it does (complete: "stop"; dead: "unsatisfiable"), for the caller to
-        apply after the token-level stops (`constrained_stop`)."""
+        apply after the token-level stops (`constrained_stop`). With `defers_masks`, the masks
+        of the pairs `defer` marks (requests no token-level stop ends) are left due for
+        `fill_due_masks`; an ending request's last mask is computed at once, since it can still
+        tell a dead constraint from a cut one."""
         if not pairs:
             return []
         started = time.perf_counter()
-        ends = advance_all([request.constraint for request, _ in pairs],
-                           [token for _, token in pairs], self.fill_masks)
+        ends = [request.constraint.consume(token) for request, token in pairs]
+        going_on = [i for i, end in enumerate(ends) if end is None]
+        later = {i for i in going_on if self.defers_masks and i < len(defer) and defer[i]}
+        now = [i for i in going_on if i not in later]
+        for i, end in zip(now, fill_due([pairs[i][0].constraint for i in now], self.fill_masks)):
+            ends[i] = end
+        self._due += [pairs[i][0] for i in sorted(later)]
         self.constraint_seconds += time.perf_counter() - started
         self.num_constraint_advances += len(pairs)
         self.num_constraint_batches += 1
         return [None if end is None else (RequestStatus(end[0]), end[1]) for end in ends]
+
+    def fill_due_masks(self) -> list[Request]:
+        """Computes the masks `update` left due, all in one fill, and ends each request whose
+        mask ends it (nothing allowed: `Constraint.end`); returns those requests."""
+        due, self._due = [r for r in self._due if not r.is_finished], []
+        if not due:
+            return []
+        started = time.perf_counter()
+        ends = fill_due([request.constraint for request in due], self.fill_masks)
+        ended = []
+        for request, end in zip(due, ends):
+            if end is not None:
+                self.finish(request.request_id, RequestStatus(end[0]), end[1])
+                ended.append(request)
+        self.constraint_seconds += time.perf_counter() - started
+        return ended
+
+    def masked(self, plan: StepPlan) -> StepPlan:
+        """`plan` with each constrained row's mask as its constraint holds it now: a plan made
+        while masks were due, once `fill_due_masks` has computed them. A row whose request
+        ended meanwhile keeps the plan's all-allowed placeholder (its token is dropped)."""
+        def mask_of(request_id: str):
+            request = self._requests.get(request_id)
+            return None if request is None else request.constraint.mask
+
+        return with_masks(plan, mask_of)
 
     def _observe_length(self, request: Request) -> None:
         """Teaches the predictor a finished request's output length; an aborted request's

@@ -50,6 +50,14 @@ given: the grammar library's parallel fill over every matcher at once
 (`meshserve.serving.engine.grammar.fill_masks`), or `fill_each`, one matcher after another. Each
 mask is then finished as above (EOS cleared, narrowed to a completion), which is per row.
 
+The two halves can run apart (`Constraint.consume`, then `fill_due`): a constraint that took its
+token and goes on has its mask due (`is_mask_due`) until the fill, which the engine runs while the
+device computes the next step's forward pass. What ends a request is known at once where the
+mask is not needed to tell: a refused token ("unsatisfiable"), or a matcher that is stopped
+(nothing but EOS may follow, so the mask is empty: "stop" when accepting, else
+"unsatisfiable"). Only a matcher that goes on but whose next bytes no token of the vocabulary
+spells ends at the fill.
+
 This module is plain Python and numpy; it must not import jax, the grammar library, or anything
 from meshserve's other packages.
 """
@@ -276,15 +284,25 @@ def advance_all(constraints: Sequence[Constraint], tokens: Sequence[int],
     together, in one call of `fill_masks` (see the module docstring). Returns each one's
     `Constraint.advance` result."""
     ends = [constraint.consume(token) for constraint, token in zip(constraints, tokens)]
-    live = [constraint for constraint, end in zip(constraints, ends) if end is None]
-    if live:
-        masks = np.empty((len(live), live[0].num_words), np.int32)
-        assert all(c.num_words == masks.shape[1] for c in live), "one vocabulary per batch"
-        fill_masks([constraint.matcher for constraint in live], masks)
-        for constraint, mask in zip(live, masks):
-            constraint.take_mask(mask)
-    return [end if end is not None else constraint.end()
-            for constraint, end in zip(constraints, ends)]
+    due = [i for i, end in enumerate(ends) if end is None]
+    for i, end in zip(due, fill_due([constraints[i] for i in due], fill_masks)):
+        ends[i] = end
+    return ends
+
+
+def fill_due(constraints: Sequence[Constraint], fill_masks: MaskFiller = fill_each
+             ) -> list[tuple[str, str | None] | None]:
+    """The masks `consume` left due, computed together in one call of `fill_masks`; returns how
+    each constraint then ends its request (`Constraint.end`), if it does."""
+    assert all(c.is_mask_due for c in constraints), "a mask is filled once per token"
+    if not constraints:
+        return []
+    masks = np.empty((len(constraints), constraints[0].num_words), np.int32)
+    assert all(c.num_words == masks.shape[1] for c in constraints), "one vocabulary per batch"
+    fill_masks([constraint.matcher for constraint in constraints], masks)
+    for constraint, mask in zip(constraints, masks):
+        constraint.take_mask(mask)
+    return [constraint.end() for constraint in constraints]
 
 
 @dataclasses.dataclass(eq=False)
@@ -299,6 +317,7 @@ class Constraint:
     mask: np.ndarray = dataclasses.field(init=False)  # int32 [num_words]
     num_consumed: int = 0  # outputs advanced through the matcher
     is_closing: bool = False  # the mask is narrowed to a completion within max_tokens
+    is_mask_due: bool = False  # consumed a token whose next mask is not computed yet
 
     def __post_init__(self):
         self.mask = np.zeros(self.num_words, np.int32)
@@ -310,17 +329,24 @@ class Constraint:
         return advance_all([self], [token])[0]
 
     def consume(self, token: int) -> tuple[str, str | None] | None:
-        """The matcher takes `token`, the mask not yet refreshed (`take_mask` does that);
-        "unsatisfiable" if the constraint refused the token, else None."""
+        """The matcher takes `token`. Returns how the constraint ends the request where that
+        needs no mask: "unsatisfiable" if it refused the token; once the matcher is stopped, its
+        mask is empty and `end` says. Else None, and the mask is due (`take_mask`)."""
         self.num_consumed += 1
         if not self.matcher.advance(token):
             return "unsatisfiable", self._dead_reason(f"the constraint refused token {token}")
+        if self.matcher.is_stopped():
+            self.mask[:] = 0  # what `_finish_mask` makes of any mask of a stopped matcher
+            self.is_closing = False
+            return self.end()
+        self.is_mask_due = True
         return None
 
     def take_mask(self, mask: np.ndarray) -> None:
         """Refreshes the mask from the matcher's own (`Matcher.fill_mask`'s, computed for its
         state after `consume`)."""
         self.mask[:] = mask
+        self.is_mask_due = False
         self._finish_mask()
 
     def end(self) -> tuple[str, str | None] | None:

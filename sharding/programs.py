@@ -11,7 +11,8 @@ from __future__ import annotations
 import jax
 
 from meshserve.model.executor.pipeline_runner import PipelineRunner
-from meshserve.model.executor.runner import ModelRunner, to_devices
+from meshserve.model.executor.device_layout import to_devices
+from meshserve.model.executor.runner import ModelRunner
 
 
 def step_arguments(runner: ModelRunner, key: tuple[int, int]) -> tuple:

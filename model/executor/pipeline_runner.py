@@ -32,7 +32,10 @@ that ask for them (their outputs come back to the host only from calls that have
 whose schedule samples no constrained row neither builds nor copies the units' structured-output
 masks: its key is `(0,)` (`has_mask`), its host units hold zero-width `allowed` columns, and
 `run_calls` gives the program resident all-allowed masks instead, as `ModelRunner` does; the
-same program runs either way. Knobs
+same program runs either way. Masks are not overlapped with the call (`splits_sampling` is
+false, whatever `overlap_masks` says): the last stage samples inside the call's loop and feeds
+its tokens back to stage 0 on the device, so the sampling cannot wait for the host mid-call, and
+a constrained row samples once a call, its mask computed before the call. Knobs
 that cost a compile: the `UnitShape` (units per call, rows, prefill width and rows, pages), the
 cache geometry, `max_logprobs` and the attention backend.
 """
@@ -58,9 +61,8 @@ from meshserve.batching.runner_protocol import SampledRows
 from meshserve.batching.sampling import SamplingArrays
 from meshserve.batching.structured import mask_words
 from meshserve.model.attention import KVCache, RaggedBatch, init_kv_cache
-from meshserve.model.executor.device_layout import DeviceLayout
-from meshserve.model.executor.runner import (PlanChannel, RunnerConfig, output_sharding,
-                                             peer_errors, to_devices)
+from meshserve.model.executor.device_layout import DeviceLayout, output_sharding, to_devices
+from meshserve.model.executor.runner import PlanChannel, RunnerConfig, peer_errors
 from meshserve.model.executor.sampler import Sampled, host_sampling
 from meshserve.model.executor.steps import RaggedOutput, embed, ragged_layers, ragged_outputs
 from meshserve.model.transformer import stage_sliding_flags
@@ -91,6 +93,8 @@ class PipelineRunner:
     backend, settled for the model and `platform` (default: JAX's default platform) by the same
     `RunnerConfig.backend` as `ModelRunner`'s; `shape` the units.
     """
+
+    splits_sampling = False  # a call samples inside its loop (see the module docstring)
 
     def __init__(self, model: nnx.Module, config: RunnerConfig, layout: DeviceLayout,
                  shape: UnitShape, *, platform: str | None = None):

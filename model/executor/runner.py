@@ -32,28 +32,37 @@ resident all-allowed mask of that bucket's shape, put on the devices once (the s
 mask pass then anyway, by `is_constrained`). Both kinds of call run the same compiled program, so
 the mask adds no program; a constrained step copies its masks as before.
 
+A step whose constrained rows' masks are not computed yet can run as two calls instead
+(`splits_sampling`; `overlap_masks`, unset: on unless JAX's backend is the CPU): `forward`
+dispatches its forward pass and returns at once, and `sample` runs its sampling once the host has
+the masks (`meshserve.model.executor.split_step`). That adds a forward pass per bucket key and a
+sampler per count of sequence slots (`RunnerConfig.sampling_rows`), all compiled at warm-up: 37
+programs in all for the default config (`num_programs`).
+
 Several processes (`meshserve.serving.engine.multihost`): `execute` is split into `host_call` (the
 padded host arrays of the step's compiled call, keyed by its bucket and `has_mask`) and
 `run_calls` (transfer and dispatch). Process 0 sends each step's host arrays through `channel`
 before running them; the other processes rebuild the same shapes from the keys (`template`) and
 call `run_calls` with the arrays they received. Sampled tokens then come back replicated
-(`output_sharding`).
+(`output_sharding`). A multi-process job runs every step as one call (`splits_sampling` is off,
+and the warm-up compiles no split programs): the followers replay calls, not the host work
+between them.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
 import time
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from meshserve.batching.buckets import bucket_sizes, pick_bucket
@@ -66,8 +75,9 @@ from meshserve.model import native_dot
 from meshserve.model.attention import (ATTENTION_BACKENDS, KVCache, RaggedBatch, choose_backend,
                                        init_kv_cache)
 from meshserve.model.config import ModelConfig
-from meshserve.model.executor.device_layout import DeviceLayout
+from meshserve.model.executor.device_layout import DeviceLayout, jit_step, to_devices
 from meshserve.model.executor.sampler import host_sampling
+from meshserve.model.executor.split_step import Forward, SplitPrograms
 from meshserve.model.executor.steps import ragged_step
 
 _COMPILE_EVENT_PREFIX = "/jax/core/compile/"
@@ -100,6 +110,12 @@ class RunnerConfig:
         None, "a GGUF's kept blocks (int8, or packed in 4, 5 or 6 bits) and a kept LM head "
               "through native kernels built on first use with the system's C++ compiler; unset: "
               "on wherever they run (the CPU, one device, a compiler), else off", compile=True)
+    overlap_masks: bool | None = knob(
+        None, "a step with structured-output rows runs its forward pass and its sampling as "
+              "two calls, the rows' masks computed on the host while the forward pass runs "
+              "(adds a forward program per bucket and a sampler per sequence-slot count to the "
+              "warm-up); off: one call, after the masks; unset: on where JAX's backend is not "
+              "the CPU, whose cores the host's fill and XLA share", compile=True)
 
     def __post_init__(self):
         if self.attention not in ATTENTION_CHOICES:
@@ -160,6 +176,18 @@ class RunnerConfig:
         return ([(t, 0) for t in self.token_buckets]
                 + [(t, 1) for t in self.target_buckets])
 
+    def sampling_rows(self) -> list[int]:
+        """The sequence slots per replica of the split steps' sampling programs: one program
+        per distinct count (buckets wider than `max_num_seqs` share one)."""
+        return sorted({self.num_seqs(t) for t in self.token_buckets})
+
+    def overlaps_masks(self, *, platform: str | None = None) -> bool:
+        """`overlap_masks` as set; unset, on unless `platform` (default: JAX's default
+        backend) is the CPU."""
+        if self.overlap_masks is not None:
+            return self.overlap_masks
+        return (platform or jax.default_backend()) != "cpu"
+
 
 @dataclasses.dataclass(frozen=True)
 class HostCall:
@@ -195,6 +223,7 @@ class ModelRunner:
         self.layout = layout
         self.native_kernels = native_dot.resolve(
             config.native_kernels, num_devices=1 if layout is None else layout.mesh.size)
+        self.overlaps_masks = config.overlaps_masks(platform=platform)
         # Seconds the last `execute` waited for the device, after every call was dispatched:
         # the rest of its time is host work (flattening, transfers, dispatch).
         self.last_wait_seconds = 0.0
@@ -213,8 +242,11 @@ class ModelRunner:
             attention=self.attention, block_pages=config.block_pages,
             constrain=None if layout is None else layout.constrain,
             replica_axes=() if layout is None else layout.replica_axes)
-        self._step = compile_step(step, layout)
+        self._step = jit_step(step, layout, num_row_args=2)
         self._programs: dict[tuple[int, ...], jax.stages.Compiled] = {}
+        self.split = SplitPrograms(self.graphdef, layout, num_top_logprobs=config.max_logprobs,
+                                   attention=self.attention, block_pages=config.block_pages,
+                                   vocab_size=c.vocab_size, native_kernels=self.native_kernels)
         self._allow_all: dict[tuple[int, ...], jax.Array] = {}  # resident masks, by shape
         self.last_user: object | None = None  # whoever ran the last step (engines sharing the
         # runner take turns with its KV cache)
@@ -236,6 +268,19 @@ class ModelRunner:
                              f"{self.config.max_num_batched_tokens}")
         return pick_bucket(needed, self.config.token_buckets), int(has_targets)
 
+    @property
+    def splits_sampling(self) -> bool:
+        """Whether a step can run as `forward`, then `sample` (`overlap_masks`, and one
+        process: see the module docstring)."""
+        return self.overlaps_masks and jax.process_count() == 1
+
+    @property
+    def num_programs(self) -> int:
+        """Programs `warmup()` compiles: a step per bucket key, and where steps split a forward
+        pass per bucket key and a sampler per `RunnerConfig.sampling_rows` entry too."""
+        keys = len(self.config.step_keys())
+        return keys + (keys + len(self.config.sampling_rows()) if self.splits_sampling else 0)
+
     def padded_tokens(self, sub_batches: Sequence[SubBatchPlan]) -> int:
         """Token slots the step of `sub_batches` computes, on every replica together."""
         return self.step_key(sub_batches)[0] * self.num_replicas
@@ -256,8 +301,44 @@ class ModelRunner:
             started = time.perf_counter()
             host = jax.device_get(out)  # the step's one copy to the host
         self.last_wait_seconds = time.perf_counter() - started
-        return [_unpad(host, plan, seqs, slots) for plan, seqs, slots
-                in zip(sub_batches, call.seq_index, call.token_index)]
+        return [_unpad(host, seqs, slots)
+                for seqs, slots in zip(call.seq_index, call.token_index)]
+
+    def forward(self, sub_batches: Sequence[SubBatchPlan]) -> Forward:
+        """Dispatches the forward pass of a step of `sub_batches` and returns at once (see the
+        module docstring): the host is free while the device runs it, until `sample`."""
+        assert self.splits_sampling, "overlap_masks is off, or the job has several processes"
+        bucket = self.step_key(sub_batches)
+        batch, seq_index, token_index = self._flatten(sub_batches, *bucket)
+        batch = to_devices(batch, None if self.layout is None else self.layout.rows)
+        program = self.split.forward_program(bucket, self.params, self.cache, batch)
+        out, self.cache = program(self.params, self.cache, batch)
+        return Forward(out=out, bucket=bucket, seq_index=seq_index, token_index=token_index,
+                       finished_at=self.split.ready_times.watch(out.logits))
+
+    def sample(self, forward: Forward, sampling: Sequence[SamplingArrays]
+               ) -> list[SampledRows]:
+        """Samples the step whose forward pass `forward` dispatched, under `sampling` (the
+        plan's, its masks computed meanwhile): what `run_step` returns for the same step."""
+        assert [s.num_rows for s in sampling] == [i.shape[0] for i in forward.seq_index]
+        host = self._host_sampling(sampling, forward.bucket[0], forward.seq_index,
+                                   has_mask=1)
+        arrays = to_devices(host, None if self.layout is None else self.layout.rows)
+        sampled = self.split.sampler_program(arrays)(forward.out.logits, arrays)
+        started = time.perf_counter()
+        host_out = jax.device_get(dataclasses.replace(forward.out, logits=None,
+                                                      sampled=sampled))  # the one copy
+        self.last_wait_seconds = time.perf_counter() - started
+        return [_unpad(host_out, seqs, slots)
+                for seqs, slots in zip(forward.seq_index, forward.token_index)]
+
+    def finished_at(self, forward: Forward) -> float | None:
+        """When the device finished `forward` (`time.perf_counter()`), asked once `sample`
+        returned; None if the watching thread has not said within a second."""
+        try:
+            return forward.finished_at.result(timeout=1.0)
+        except concurrent.futures.TimeoutError:
+            return None
 
     def host_call(self, sub_batches: Sequence[SubBatchPlan],
                   sampling: Sequence[SamplingArrays]) -> HostCall:
@@ -265,14 +346,20 @@ class ModelRunner:
         compiled call reads."""
         bucket = self.step_key(sub_batches)
         batch, seq_index, token_index = self._flatten(sub_batches, *bucket)
+        has_mask = int(any(np.any(s.is_constrained) for s in sampling))
+        host = self._host_sampling(sampling, bucket[0], seq_index, has_mask=has_mask)
+        return HostCall(key=(*bucket, has_mask), arrays=(batch, host), seq_index=seq_index,
+                        token_index=token_index)
+
+    def _host_sampling(self, sampling: Sequence[SamplingArrays], tokens: int,
+                       seq_index: Sequence[np.ndarray], *, has_mask: int) -> SamplingArrays:
+        """The sub-batches' sampling arrays merged and padded for a step of `tokens` slots per
+        replica, each row at its sequence slot."""
         if any(s.banned_ids.shape[1] > self.config.max_stop_ids for s in sampling):
             raise ValueError(f"more stop token ids than max_stop_ids={self.config.max_stop_ids}")
         index = np.concatenate(seq_index) if seq_index else np.zeros(0, np.int64)
         merged = concat_sampling(sampling) if sampling else greedy_sampling(0)
-        has_mask = int(bool(np.any(merged.is_constrained)))
-        host = self._padded_sampling(merged, bucket[0], index, has_mask=has_mask)
-        return HostCall(key=(*bucket, has_mask), arrays=(batch, host), seq_index=seq_index,
-                        token_index=token_index)
+        return self._padded_sampling(merged, tokens, index, has_mask=has_mask)
 
     def template(self, key: tuple[int, ...]) -> tuple[RaggedBatch, SamplingArrays]:
         """Zero host arrays shaped like those of any call with key `key` (see `host_call`): a
@@ -336,14 +423,24 @@ class ModelRunner:
                                                        sampling).compile()
         return self._programs[key]
 
+    def _compile_split(self, key: tuple[int, ...]) -> None:
+        """Compiles the forward pass of bucket key `key` and the sampler of its rows."""
+        batch, sampling = to_devices(self.template((*key[:2], 1)),
+                                     None if self.layout is None else self.layout.rows)
+        self.split.forward_program(tuple(key[:2]), self.params, self.cache, batch)
+        self.split.sampler_program(sampling)
+
     def warmup(self, keys: Sequence[tuple[int, int]] | None = None, *,
                progress: bool = True) -> list[tuple[int, int, int]]:
-        """Compiles the step for each bucket key (default: `config.step_keys()`); runs nothing.
-        Returns the call keys those programs serve, each bucket with and without a mask (their
-        host arrays differ in size: a multi-process job warms up a broadcast of each)."""
+        """Compiles the step for each bucket key (default: `config.step_keys()`), and where
+        steps split its forward pass and sampling too; runs nothing. Returns the call keys
+        the steps serve, each bucket with and without a mask (their host arrays differ in
+        size: a multi-process job warms up a broadcast of each)."""
         keys = self.config.step_keys() if keys is None else list(keys)
-        for key in tqdm(keys, desc="warming up", unit="program", disable=not progress):
+        for key in tqdm(keys, desc="warming up", unit="bucket", disable=not progress):
             self.program(key)
+            if self.splits_sampling:
+                self._compile_split(key)
         return [(*key[:2], has_mask) for key in keys for has_mask in (1, 0)]
 
     def _flatten(self, sub_batches: Sequence[SubBatchPlan], tokens_per_replica: int,
@@ -396,20 +493,6 @@ class ModelRunner:
         return RaggedBatch(**out), tuple(seq_index), tuple(token_index)
 
 
-def to_devices(tree, sharding):
-    """`tree`'s numpy leaves on device, placed by `sharding` (None: the default device).
-
-    One `device_put` moves a whole tree (`jnp.asarray` would compile a conversion per shape).
-    With several processes each one builds only its own devices' shards from its copy of the
-    (identical) host arrays: `device_put` would first compare the copies across processes, a
-    collective per transfer.
-    """
-    if sharding is None or jax.process_count() == 1:
-        return jax.device_put(tree, sharding)
-    return jax.tree.map(
-        lambda a: jax.make_array_from_callback(a.shape, sharding, lambda index: a[index]), tree)
-
-
 @contextlib.contextmanager
 def peer_errors(channel: PlanChannel | None):
     """Turns a failed collective of a multi-process step into the channel's account of it (which
@@ -433,7 +516,7 @@ def _row_slots(plan: SubBatchPlan) -> np.ndarray:
     return plan.num_new.astype(np.int64)
 
 
-def _unpad(out, plan: SubBatchPlan, seqs: np.ndarray, slots: np.ndarray) -> SampledRows:
+def _unpad(out, seqs: np.ndarray, slots: np.ndarray) -> SampledRows:
     prompt = lambda a: None if a is None else np.asarray(a)[slots]  # noqa: E731
     s = out.sampled
     return SampledRows(
@@ -441,28 +524,6 @@ def _unpad(out, plan: SubBatchPlan, seqs: np.ndarray, slots: np.ndarray) -> Samp
         top_ids=np.asarray(s.top_ids)[seqs], top_logprobs=np.asarray(s.top_logprobs)[seqs],
         prompt_logprobs=prompt(out.prompt_logprobs), prompt_top_ids=prompt(out.prompt_top_ids),
         prompt_top_logprobs=prompt(out.prompt_top_logprobs))
-
-
-def compile_step(step: Callable, layout: DeviceLayout | None) -> Callable:
-    """The jitted step; with a layout, mapped over the replica axes and sharded in and out."""
-    if layout is None:
-        return jax.jit(step, donate_argnums=(1,))
-    if layout.replica_axes:
-        rows, cache = layout.rows_manual, layout.cache_manual
-        step = jax.shard_map(step, mesh=layout.mesh, in_specs=(PartitionSpec(), cache, rows, rows),
-                             out_specs=(rows, cache), axis_names=set(layout.replica_axes),
-                             check_vma=False)
-    return jax.jit(step, in_shardings=(layout.params, layout.cache, layout.rows, layout.rows),
-                   out_shardings=(output_sharding(layout, layout.rows), layout.cache),
-                   donate_argnums=(1,))
-
-
-def output_sharding(layout: DeviceLayout, sharding: NamedSharding) -> NamedSharding:
-    """Where a step's sampled tokens land: `sharding`, or every device when the mesh spans
-    several processes, so that process 0 can read every row."""
-    if jax.process_count() == 1:
-        return sharding
-    return NamedSharding(layout.mesh, PartitionSpec())
 
 
 class CompileCounter:

@@ -7,6 +7,11 @@ stage 0 embeds (`embed`), every stage runs its slice of the layers (`ragged_laye
 stage samples (`ragged_outputs`). Attention goes through `RaggedContext.attend`, so every
 attention backend serves both.
 
+`ragged_forward` is the same step up to its sampling, whose logits stay on the device for a call
+of `sample` of their own: a step with structured output runs as those two calls, so the host
+computes the rows' masks while the device runs the forward pass (`meshserve.model.executor.runner`).
+Both compute what `ragged_step` computes, op for op.
+
 `forward_dense` recomputes a whole padded batch with full causal attention and no cache. It exists
 to check the paged path.
 
@@ -43,12 +48,14 @@ def forward_dense(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array,
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class RaggedOutput:
-    """A ragged step's result: each sequence's sampled token, and prompt logprobs when asked."""
+    """A ragged step's result: each sequence's sampled token, and prompt logprobs when asked.
+    A forward pass (`ragged_forward`) holds each sequence's logits instead of its token."""
 
-    sampled: Sampled  # [S] rows
+    sampled: Sampled | None  # [S] rows
     prompt_logprobs: jax.Array | None = None  # [T] logprob of targets[t] after token t
     prompt_top_ids: jax.Array | None = None  # [T, K]
     prompt_top_logprobs: jax.Array | None = None  # [T, K]
+    logits: jax.Array | None = None  # [S, V] float32, at each sequence's last token
 
 
 def ragged_step(graphdef: nnx.GraphDef, params: nnx.State, cache: KVCache, batch: RaggedBatch,
@@ -65,6 +72,20 @@ def ragged_step(graphdef: nnx.GraphDef, params: nnx.State, cache: KVCache, batch
     out = ragged_outputs(model, hidden, batch, sampling, num_top_logprobs=num_top_logprobs,
                          replica_axes=replica_axes)
     return out, cache
+
+
+def ragged_forward(graphdef: nnx.GraphDef, params: nnx.State, cache: KVCache,
+                   batch: RaggedBatch, *, num_top_logprobs: int, attention: str,
+                   block_pages: int, constrain=None) -> tuple[RaggedOutput, KVCache]:
+    """`ragged_step` without its sampling: the logits at each sequence's last token (`logits`),
+    and the prompt logprobs when the batch has targets. `sample` then draws from the logits
+    what `ragged_step` draws."""
+    model = nnx.merge(graphdef, params)
+    x = embed(model, batch, constrain)
+    hidden, cache = ragged_layers(model, x, cache, batch, attention=attention,
+                                  block_pages=block_pages, constrain=constrain)
+    out = RaggedOutput(sampled=None, logits=last_logits(model, hidden, batch))  # [S, V]
+    return with_prompt_logprobs(out, model, hidden, batch, num_top_logprobs), cache
 
 
 def embed(model, batch: RaggedBatch, constrain=None) -> jax.Array:
@@ -97,13 +118,23 @@ def ragged_outputs(model, hidden: jax.Array, batch: RaggedBatch, sampling: Sampl
     logits = place_logits(last_logits(model, hidden, batch))  # [S, V]
     sampled = sample(logits, sampling, num_top_logprobs=num_top_logprobs,
                      replica_axes=replica_axes)
+    return with_prompt_logprobs(RaggedOutput(sampled=sampled), model, hidden, batch,
+                                num_top_logprobs, place_logits)
+
+
+def with_prompt_logprobs(out: RaggedOutput, model, hidden: jax.Array, batch: RaggedBatch,
+                         num_top_logprobs: int,
+                         place_logits: Callable[[jax.Array], jax.Array] | None = None
+                         ) -> RaggedOutput:
+    """`out` with the prompt logprobs of every token when the batch has targets."""
     if batch.targets is None:
-        return RaggedOutput(sampled=sampled)
+        return out
+    place_logits = place_logits or (lambda logits: logits)
     all_logits = place_logits(model.logits(hidden).astype(jnp.float32))  # [T, V]
     chosen, top_ids, top_logprobs = prompt_logprobs(all_logits, batch.targets,
                                                     num_top_logprobs)
-    return RaggedOutput(sampled=sampled, prompt_logprobs=chosen, prompt_top_ids=top_ids,
-                        prompt_top_logprobs=top_logprobs)
+    return dataclasses.replace(out, prompt_logprobs=chosen, prompt_top_ids=top_ids,
+                               prompt_top_logprobs=top_logprobs)
 
 
 def last_logits(model, hidden: jax.Array, batch: RaggedBatch) -> jax.Array:

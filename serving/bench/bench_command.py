@@ -307,6 +307,13 @@ def _print_structured(results: dict) -> None:
           f"{results['mask_ms_per_constrained_step']:.2f} ms per step with constrained rows "
           f"({results['matcher_ms_per_step']:.2f} ms per step), "
           f"{results['matcher_us_per_token']:.0f} us per constrained token")
+    overlap = results["overlap"]
+    if overlap["steps"]:
+        print(f"masks beside the forward pass: {overlap['steps']} steps, "
+              f"{overlap['mask_ms_per_step']:.2f} ms each, {overlap['hidden_ms_per_step']:.2f} "
+              f"ms of it while the device ran the forward pass, "
+              f"{overlap['exposed_ms_per_step']:.2f} ms with the device idle; the forward pass "
+              f"ran {overlap['forward_left_ms_per_step']:.2f} ms past the masks")
 
 
 def _check_bench_args(args: argparse.Namespace) -> None:

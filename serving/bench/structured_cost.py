@@ -4,7 +4,10 @@
 then every request constrained, in one process; output tokens/s of both and their ratio, the
 median time to first token of both and its ratio, and the host time the matchers add (advancing
 each by its sampled token and computing the next masks, every constrained row's in one parallel
-fill) per step, per step with constrained rows and per constrained token. Every constraint is
+fill) per step, per step with constrained rows and per constrained token, and how much of it the
+device hid (`overlap`: the steps whose masks were computed while their forward pass ran, the
+share of that mask time during which the device was still busy, and the forward pass's time left
+once the masks were ready; `Engine._run_overlapped`). Every constraint is
 JSON lines (`json_lines`: one JSON object per line, each valid against a schema, without end):
 with `ignore_eos` the output goes on to its target length, as unconstrained output does, so both
 runs compute the same tokens. `CONSTRAINTS` names the two sets: "json-lines", one small schema
@@ -75,11 +78,14 @@ def compare_structured(engine: Engine, requests: Sequence[BenchRequest], *,
     scheduler.forget_prefixes()
     seconds, advances = scheduler.constraint_seconds, scheduler.num_constraint_advances
     batches = scheduler.num_constraint_batches
+    overlap = _overlap_counters(engine)
     constrained = run_offline(engine, [dataclasses.replace(r, structured=given[i % len(given)])
                                        for i, r in enumerate(requests)], progress=progress)
     seconds = scheduler.constraint_seconds - seconds
     advances = scheduler.num_constraint_advances - advances
     batches = scheduler.num_constraint_batches - batches
+    overlap = {name: now - before for (name, now), before
+               in zip(_overlap_counters(engine).items(), overlap.values())}
     ttfts = [run["ttft_s"]["median"] for run in (plain, constrained)]
     return {
         "constraint": given[0].key[1] if len(given) == 1 else
@@ -96,7 +102,29 @@ def compare_structured(engine: Engine, requests: Sequence[BenchRequest], *,
         "mask_ms_per_constrained_step": 1e3 * seconds / max(batches, 1),
         "matcher_us_per_token": 1e6 * seconds / max(advances, 1),
         "matcher_share_of_wall": seconds / constrained["wall_s"],
+        "overlap": _overlap_report(overlap),
     }
+
+
+def _overlap_counters(engine: Engine) -> dict[str, float]:
+    stats = engine.stats
+    return {"steps": stats.overlap_steps, "mask_seconds": stats.overlap_mask_seconds,
+            "hidden_seconds": stats.overlap_hidden_seconds,
+            "forward_left_seconds": stats.overlap_forward_left_seconds}
+
+
+def _overlap_report(counts: dict[str, float]) -> dict[str, Any]:
+    """The overlapped steps of a run (see the module docstring): per step, the host's mask
+    time, the part of it the forward pass hid and the part it did not (the device idle,
+    waiting for the masks), and the forward pass's time left once the masks were ready."""
+    steps = max(counts["steps"], 1)
+    mask, hidden = counts["mask_seconds"], counts["hidden_seconds"]
+    return {"steps": int(counts["steps"]),
+            "mask_ms_per_step": 1e3 * mask / steps,
+            "hidden_ms_per_step": 1e3 * hidden / steps,
+            "exposed_ms_per_step": 1e3 * (mask - hidden) / steps,
+            "hidden_fraction": hidden / mask if mask else None,
+            "forward_left_ms_per_step": 1e3 * counts["forward_left_seconds"] / steps}
 
 
 def load_schemas(path: str | None = None) -> list[dict[str, Any]]:

@@ -4,6 +4,17 @@
              results = runner.execute(plan)   # device: one step, one copy back
              return self._update(plan, results)  # host: tokens, text, stops, outputs
 
+A step with structured output overlaps its masks with the device (`_run_overlapped`): the
+constrained requests' matchers take the last step's tokens in `_update`, but their next masks
+are left due (`Scheduler.defers_masks`); the next step's forward pass is dispatched first
+(`runner.forward`: it needs the tokens, not the masks), the masks are computed on the host
+while the device runs it (`Scheduler.fill_due_masks`, one parallel fill), and then the
+sampling runs with them (`runner.sample`). A step with no constrained row, or none whose mask is
+due, runs as one call as above. The runner must split steps (`splits_sampling`: a
+`ModelRunner` with `overlap_masks`, in one process); otherwise, and on a pipeline, every mask is
+computed in `_update`, before the next plan, as the step's one call needs.
+`EngineStats` counts how much of the mask time the forward pass hid (`overlap_*`).
+
 A request comes in through the engine's admission check (`self.admission`,
 `meshserve.serving.engine.admission`): `add_request` checks and queues it; a front end that
 checked it on its own thread (`Admission.admit`) queues the `Admitted` request with `enqueue`,
@@ -46,7 +57,7 @@ from meshserve.batching.scheduler import Scheduler, takes_token
 from meshserve.batching.speculative import Speculation
 from meshserve.batching.structured import BOUNDS
 from meshserve.model.loading.hub import cache_root
-from meshserve.batching.runner_protocol import Runner, SampledRows, StepRunner
+from meshserve.batching.runner_protocol import Runner, SampledRows, SplitRunner, StepRunner
 from meshserve.model.executor.runner import CompileCounter, ModelRunner, enable_compilation_cache
 from meshserve.model.executor.pipeline_runner import PipelineRunner
 from meshserve.model.quantized_weights import quantize_model
@@ -78,7 +89,8 @@ class Engine:
         self.scheduler = Scheduler(
             config.scheduler_config(eos, num_replicas=runner.num_replicas,
                                     attention_window=runner.model_config.attention_window),
-            predictor=config.make_length_predictor(), fill_masks=fill_masks)
+            predictor=config.make_length_predictor(), fill_masks=fill_masks,
+            defers_masks=runner.splits_sampling and not self.is_pipelined)
         self.admission = Admission(
             tokenizer=tokenizer, vocab_size=self.model_config.vocab_size,
             max_model_len=config.max_model_len, max_logprobs=config.max_logprobs,
@@ -178,19 +190,45 @@ class Engine:
         if self.is_pipelined:
             return self._pipeline_step()
         plan = self.scheduler.schedule()
+        overlaps = self.scheduler.has_due_masks and _has_constrained(plan)
+        ended = [] if overlaps else self._fill_due_masks()  # of rows this plan does not sample
         if plan.is_empty:
-            return []
-        speculation = self._speculate(plan)
+            return ended
+        speculation = None if overlaps else self._speculate(plan)
         if speculation is not None:
             plan = speculation.plan
         started = time.perf_counter()
         with CompileCounter() as compiles:
-            results = self.runner.execute(plan)
+            if overlaps:
+                masked, results = self._run_overlapped(plan)
+                ended += masked
+            else:
+                results = self.runner.execute(plan)
         self.stats.record_step(plan, self.runner, time.perf_counter() - started, compiles.count)
         self.stats.device_wait_seconds += self.runner.last_wait_seconds
         if speculation is not None:
-            return self._update_verified(speculation, results)
-        return self._update(plan, results)
+            return ended + self._update_verified(speculation, results)
+        return ended + self._update(plan, results)
+
+    def _run_overlapped(self, plan: StepPlan
+                        ) -> tuple[list[RequestOutput], list[SampledRows]]:
+        """Runs `plan` as its forward pass, then its sampling, computing the due masks in
+        between (see the module docstring). Returns the outputs of the requests their masks
+        ended (their rows' results are dropped), and the step's results."""
+        runner: SplitRunner = self.runner
+        forward = runner.forward(plan.sub_batches)
+        began = time.perf_counter()
+        ended = self._fill_due_masks()
+        ready = time.perf_counter()
+        results = runner.sample(forward, self.scheduler.masked(plan).sampling)
+        self.stats.record_overlap(began, ready, runner.finished_at(forward))
+        return ended, results
+
+    def _fill_due_masks(self) -> list[RequestOutput]:
+        """Computes the masks the last step left due; the outputs of the requests they end."""
+        return [self._output(self._streams[request.request_id])
+                for request in self.scheduler.fill_due_masks()
+                if request.request_id in self._streams]
 
     # -- speculative decoding -------------------------------------------------------------------
 
@@ -352,6 +390,14 @@ class EngineStats:
     decode_slots: int = 0
     stage_busy_slots: int = 0  # pipeline (tick, stage, replica) slots that ran a real row
     stage_slots: int = 0  # all pipeline slots, idle ones included
+    # Steps whose masks were computed while their forward pass ran (`_run_overlapped`): the
+    # host's mask time there, the part of it the device was still running the forward pass
+    # (hidden; the rest the device sat idle, waiting for the masks), and the forward pass's
+    # time left once the masks were ready (the host then only waited).
+    overlap_steps: int = 0
+    overlap_mask_seconds: float = 0.0
+    overlap_hidden_seconds: float = 0.0
+    overlap_forward_left_seconds: float = 0.0
 
     def record_step(self, plan: StepPlan, runner: StepRunner, seconds: float,
                     compiles: int) -> None:
@@ -370,6 +416,15 @@ class EngineStats:
         else:
             self.decode_slots += decode
             self.prefill_slots += slots - decode
+
+    def record_overlap(self, began: float, ready: float, finished: float | None) -> None:
+        """An overlapped step: its masks computed from `began` to `ready`, its forward pass
+        done at `finished` (`time.perf_counter()`; None: unknown, nothing counts as hidden)."""
+        self.overlap_steps += 1
+        self.overlap_mask_seconds += ready - began
+        if finished is not None:
+            self.overlap_hidden_seconds += max(0.0, min(ready, finished) - began)
+            self.overlap_forward_left_seconds += max(0.0, finished - ready)
 
     def record_pipeline(self, schedule: PipelineSchedule, seconds: float, compiles: int) -> None:
         """A pipeline call: its rounds count as steps; its units' slots as padding."""
@@ -396,6 +451,11 @@ class EngineStats:
     @property
     def decode_padding(self) -> float:
         return 1 - self.decode_tokens / self.decode_slots if self.decode_slots else 0.0
+
+
+def _has_constrained(plan: StepPlan) -> bool:
+    """Whether some row of `plan` samples under a structured-output mask."""
+    return any(np.any(s.is_constrained) for s in plan.sampling)
 
 
 def _has_penalty(plan: StepPlan) -> bool:

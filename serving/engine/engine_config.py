@@ -10,8 +10,9 @@ its help text and whether it costs a compile; the command line is generated from
 
 Knobs that change compiled shapes (and so cost a recompile): `mesh`, `quantization`,
 `num_pages`, `page_size`, `max_num_seqs`, `max_num_batched_tokens`, `prefill_chunk`,
-`max_model_len`, `max_logprobs`, `attention` and `pipeline_rounds`. The rest are host policy,
-`speculative_config` included (drafts are rows of the ragged step: `batching/speculative.py`).
+`max_model_len`, `max_logprobs`, `attention`, `overlap_masks` (adds programs) and
+`pipeline_rounds`. The rest are host policy, `speculative_config` included (drafts are rows of
+the ragged step: `batching/speculative.py`).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class EngineConfig(SchedulingKnobs):
     max_logprobs: int = same_knob(RunnerConfig, "max_logprobs")
     attention: str = same_knob(RunnerConfig, "attention")
     native_kernels: bool | None = same_knob(RunnerConfig, "native_kernels")
+    overlap_masks: bool | None = same_knob(RunnerConfig, "overlap_masks")
     pipeline_rounds: int = knob(4, "stage > 1: steps one pipeline call runs before the host steps "
                                    "in (1 for a call with a penalty)", compile=True)
     bubble_filling: bool = knob(True, "stage > 1: overlap rounds and fill idle stage slots with "
@@ -123,7 +125,8 @@ class EngineConfig(SchedulingKnobs):
                             max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens,
                             max_logprobs=self.max_logprobs, attention=self.attention,
-                            native_kernels=self.native_kernels)
+                            native_kernels=self.native_kernels,
+                            overlap_masks=self.overlap_masks)
 
     @property
     def mesh_config(self) -> MeshConfig:

@@ -59,6 +59,11 @@ Counters:
     meshserve:plan_broadcast_seconds_total  multi-process only: time process 0 spent sending
                                             step plans to the other processes (divide by the
                                             step count of step_duration_seconds for per step)
+    meshserve:structured_mask_overlapped_seconds_total  host time of the masks computed while
+                                            their step's forward pass was dispatched
+                                            (`EngineStats.overlap_mask_seconds`)
+    meshserve:structured_mask_hidden_seconds_total  of which the device was still running the
+                                            forward pass (the rest, it sat idle for the masks)
 
 Speculative decoding (engines with a `speculative_config`; `batching/speculative.py`), vLLM's
 names:
@@ -184,6 +189,14 @@ class ServerMetrics:
         self.recompiles = counter("recompiles", "Programs compiled after warm-up.")
         self.plan_broadcast_seconds = counter(
             "plan_broadcast_seconds", "Seconds spent broadcasting step plans to other processes.")
+        self.structured_mask_overlapped = counter(
+            "structured_mask_overlapped_seconds",
+            "Host time of structured-output masks computed while their step's forward pass "
+            "was dispatched.")
+        self.structured_mask_hidden = counter(
+            "structured_mask_hidden_seconds",
+            "Of the overlapped mask time, the part during which the device ran the forward "
+            "pass.")
         success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
                           labels + ("finished_reason",), registry=self.registry)
         self.request_success = {reason: success.labels(model_name, reason)
@@ -200,6 +213,8 @@ class ServerMetrics:
         self._num_window_freed = 0
         self._compiles = 0
         self._broadcast_seconds = 0.0
+        self._overlapped_seconds = 0.0
+        self._hidden_seconds = 0.0
         self._constraint_seconds = 0.0
         self._constraint_batches = 0
         self._http: tuple | None = None  # (server, thread) of start_http_server
@@ -272,6 +287,11 @@ class ServerMetrics:
         self._num_window_freed = _add_growth(self.window_freed_pages, self._num_window_freed,
                                              scheduler.num_window_freed_pages)
         self._compiles = _add_growth(self.recompiles, self._compiles, stats.compiles_after_warmup)
+        self._overlapped_seconds = _add_growth(self.structured_mask_overlapped,
+                                               self._overlapped_seconds,
+                                               stats.overlap_mask_seconds)
+        self._hidden_seconds = _add_growth(self.structured_mask_hidden, self._hidden_seconds,
+                                           stats.overlap_hidden_seconds)
         num_batches = scheduler.num_constraint_batches - self._constraint_batches
         for _ in range(num_batches):  # one a step; where steps went unobserved, their mean
             self.structured_mask.observe(

@@ -44,6 +44,8 @@ class FakeModelRunner:
     """`window`: the model's every layer slides over that many keys; rows read only those
     (`FakeRunner`), and the engine frees the pages behind them."""
 
+    splits_sampling = False  # every step is one `execute`
+
     def __init__(self, config: EngineConfig, *, window: int = 0):
         settled = config.for_model(MODEL)
         self.model_config = MODEL.replace(sliding_window=window)

@@ -35,7 +35,8 @@ GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
           "stage_utilisation")
 COUNTERS = ("num_preemptions_total", "prefix_cache_hits_total", "prompt_tokens_total",
             "generation_tokens_total", "kv_cache_window_freed_pages_total",
-            "recompiles_total", "request_success_total", "requests_rejected_total")
+            "recompiles_total", "request_success_total", "requests_rejected_total",
+            "structured_mask_overlapped_seconds_total", "structured_mask_hidden_seconds_total")
 
 
 @pytest.fixture(scope="module")

@@ -2,14 +2,16 @@
 BPE tokenizer (tests/serving/tiny_tokenizer.py), so random logits are forced into JSON, regexes,
 choices and grammars. Every kind matches at temperature 0 and 0.8, nothing compiles after
 warm-up, unconstrained rows batched with constrained ones are unchanged, pipeline stages give
-one device's tokens, and the gRPC request carries the constraint. The engine's warm-up (about
-10 s on 2 cores) makes these slow tests."""
+one device's tokens, the gRPC request carries the constraint, and masks computed while the
+device runs the forward pass change no output, on one device or a mesh. The engine's warm-up
+(about 20 s on 2 cores) makes these slow tests."""
 
 import json
 import re
 
 import grpc
 import jsonschema
+import numpy as np
 import pytest
 
 from meshserve.batching.sampling import SamplingParams
@@ -28,7 +30,8 @@ from tests.serving.tiny_tokenizer import tiny_tokenizer
 
 # Four token buckets (1, 2, 4, 8): few programs to compile.
 ENGINE = dict(num_pages=64, page_size=16, max_num_seqs=4, max_num_batched_tokens=8,
-              prefill_chunk=8, max_model_len=160, max_logprobs=5, compilation_cache=False)
+              prefill_chunk=8, max_model_len=160, max_logprobs=5, compilation_cache=False,
+              overlap_masks=True)  # the masks beside the forward pass, off by default on a CPU
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 6},
                          "ok": {"type": "boolean"},
@@ -91,7 +94,7 @@ def test_every_kind_matches_and_nothing_compiles_after_warmup(engine, tokenizer,
     for kind, completion in zip(CONSTRAINTS, outputs):
         assert completion.finish_reason == "stop", (kind, completion.text)
         assert _valid(kind, completion.text), (kind, completion.text)
-    assert engine.stats.warmup_compiles == len(engine.runner.config.step_keys())
+    assert engine.stats.warmup_compiles == engine.runner.num_programs
     assert engine.stats.compiles_after_warmup == 0
 
 
@@ -276,3 +279,75 @@ def test_constrained_rows_on_a_prefix_cache_hit_keep_their_tokens(model, tokeniz
                                                                   for o in rest]
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert all(_json_lines_valid(out.outputs[0].text) for out in got)
+
+
+# -- masks computed while the device runs the forward pass (Engine._run_overlapped) --------------
+
+@pytest.fixture(scope="module")
+def one_call(model, tokenizer):
+    """The same engine with every step one call, each mask computed before its plan."""
+    return Engine.from_model(model, tokenizer, EngineConfig(
+        **(ENGINE | {"overlap_masks": False, "warmup": False})))
+
+
+def _mixed_requests(tokenizer) -> list:
+    """Every kind of constraint, greedy and seeded, with logprobs, beside unconstrained rows:
+    seeded with penalties, greedy under min_tokens, and long prompts cut into chunks, one
+    asking for prompt logprobs."""
+    temperatures = (0.0, 0.8, 0.0, 0.8, 0.8)
+    constrained = [(tokenizer.encode(f"mixed {i}: {kind}"),
+                    SamplingParams(max_tokens=48, temperature=t, seed=i, logprobs=3,
+                                   structured=structured))
+                   for i, ((kind, structured), t) in enumerate(zip(CONSTRAINTS.items(),
+                                                                   temperatures))]
+    long = tokenizer.encode("a prompt long enough for several chunks of eight tokens each")
+    plain = [(long, SamplingParams(max_tokens=16, temperature=0.7, seed=11, logprobs=3,
+                                   repetition_penalty=1.3, frequency_penalty=0.4,
+                                   presence_penalty=0.2, ignore_eos=True)),
+             (tokenizer.encode("plain greedy"), SamplingParams(max_tokens=20, min_tokens=5,
+                                                               temperature=0, logprobs=3)),
+             (long[3:], SamplingParams(max_tokens=12, seed=12, prompt_logprobs=2,
+                                       ignore_eos=True))]
+    return [constrained[0], plain[0], *constrained[1:3], plain[1], *constrained[3:], plain[2]]
+
+
+def _assert_same_outputs(got, want, *, atol: float = 0.0) -> None:
+    for g, w in zip(got, want):
+        g_out, w_out = g.outputs[0], w.outputs[0]
+        assert (g_out.token_ids, g_out.finish_reason) == (w_out.token_ids, w_out.finish_reason)
+        for logprobs in ("logprobs", "prompt_logprobs"):
+            g_steps = getattr(g_out if logprobs == "logprobs" else g, logprobs) or []
+            w_steps = getattr(w_out if logprobs == "logprobs" else w, logprobs) or []
+            assert len(g_steps) == len(w_steps)
+            for g_step, w_step in zip(g_steps, w_steps):
+                assert (g_step is None) == (w_step is None)
+                if g_step is not None:
+                    assert g_step.keys() == w_step.keys()
+                    np.testing.assert_allclose([g_step[t].logprob for t in g_step],
+                                               [w_step[t].logprob for t in g_step],
+                                               rtol=0, atol=atol)
+
+
+def test_masks_computed_beside_the_forward_pass_change_no_output(engine, one_call, tokenizer):
+    """Token for token, logprob for logprob what one call a step gives; the warm-up compiled
+    the split step's programs (`num_programs`) and serving compiles nothing."""
+    requests = _mixed_requests(tokenizer)
+    steps = engine.stats.overlap_steps
+    got = _outputs(engine, requests)
+    _assert_same_outputs(got, _outputs(one_call, requests))
+    assert engine.stats.overlap_steps > steps and one_call.stats.overlap_steps == 0
+    assert 0 <= engine.stats.overlap_hidden_seconds <= engine.stats.overlap_mask_seconds
+    assert engine.stats.warmup_compiles == engine.runner.num_programs
+    assert engine.stats.compiles_after_warmup == 0
+    assert one_call.runner.num_programs == len(one_call.runner.config.step_keys())
+
+
+def test_masks_computed_beside_the_forward_pass_on_a_mesh(model, tokenizer, one_call):
+    """Two replicas, each splitting its vocabulary over two devices: the forward pass gathers
+    the logits whole for the sampling call, and the outputs are one device's (logprobs to
+    1e-4, as every mesh's)."""
+    meshed = Engine.from_model(model, tokenizer, EngineConfig(
+        mesh="data=2,model=2", **(ENGINE | {"warmup": False})))
+    requests = _mixed_requests(tokenizer)
+    _assert_same_outputs(_outputs(meshed, requests), _outputs(one_call, requests), atol=1e-4)
+    assert meshed.stats.overlap_steps > 0

@@ -1,6 +1,7 @@
 """`meshserve bench --structured`: the same requests unconstrained, then each held to a JSON
 schema (one shared, or request i to shipped schema i mod 54), and what the run reports: the
-throughput ratio, TTFT p50 of both runs and the host time of the masks per step. A tiny
+throughput ratio, TTFT p50 of both runs, the host time of the masks per step and how much of it
+the device hid. A tiny
 random-weight Llama saved with the tiny byte-level tokenizer, three short requests, the shapes of
 tests/serving/test_structured.py (so the compilation cache already holds its programs)."""
 
@@ -18,7 +19,8 @@ from tests.serving.tiny_tokenizer import tiny_tokenizer
 
 ENGINE = ["--num-pages", "64", "--page-size", "16", "--max-num-seqs", "4",
           "--max-num-batched-tokens", "8", "--prefill-chunk", "8", "--max-model-len", "160",
-          "--max-logprobs", "5", "--no-compilation-cache", "--no-warmup", "--no-progress"]
+          "--max-logprobs", "5", "--no-compilation-cache", "--no-warmup", "--no-progress",
+          "--overlap-masks"]
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +48,11 @@ def test_each_request_held_to_its_own_schema_reports_ratio_ttft_and_mask_time(ch
                                                       / results["ttft_p50_s"]["unconstrained"])
     assert 0 < results["mask_steps"] <= results["constrained"]["num_steps"]
     assert results["matcher_advances"] == 18 and results["mask_ms_per_constrained_step"] > 0
+    overlap = results["overlap"]  # the masks computed while each next forward pass ran
+    assert 0 < overlap["steps"] < results["mask_steps"] and "masks beside the forward" in printed
+    assert overlap["hidden_ms_per_step"] + overlap["exposed_ms_per_step"] == pytest.approx(
+        overlap["mask_ms_per_step"])
+    assert 0 <= overlap["hidden_fraction"] <= 1
 
 
 def test_the_schema_set_holds_each_request_to_a_shipped_schema_as_json_lines(capsys):

@@ -6,7 +6,8 @@ above everything (EOS last), so under JSON it writes `1111...` inside an integer
 inside a string that never closes, and `1, 1, 1, ...` inside an array: the loops a small model
 walks into under greedy decoding. At max_tokens from one below the shortest completion to well
 above it, the output is schema-valid JSON ending "stop" whenever the shortest completion fits,
-and "length" only when it does not. The tiny byte-level tokenizer (tests/serving/
+and "length" only when it does not, whether a step is one call or two with its masks computed
+between them (`SplitGreedyRunner`). The tiny byte-level tokenizer (tests/serving/
 tiny_tokenizer.py) is real, so the grammar library reads it as it reads a model's. Also: a named
 tool's arguments, through the OpenAI-compatible server and the official client.
 """
@@ -61,9 +62,12 @@ class GreedyRunner(FakeModelRunner):
 
     def execute(self, plan):
         self.num_executed += 1
-        return [self._rows(np.array([self._pick(sampling.allowed[i])
-                                     for i in range(len(sampling.steps))], np.int32))
-                for sampling in plan.sampling]
+        return self._sample(plan.sampling)
+
+    def _sample(self, sampling):
+        return [self._rows(np.array([self._pick(arrays.allowed[i])
+                                     for i in range(len(arrays.steps))], np.int32))
+                for arrays in sampling]
 
     def _pick(self, mask: np.ndarray) -> int:
         if mask.shape[0] == 1 and mask[0] == -1:
@@ -71,6 +75,27 @@ class GreedyRunner(FakeModelRunner):
         allowed = allowed_ids(mask)
         allowed = allowed[allowed < VOCAB]
         return int(allowed[np.argmax(self.rank[allowed])])
+
+
+class SplitGreedyRunner(GreedyRunner):
+    """The same model, its steps split as `ModelRunner`'s are (`splits_sampling`): the engine
+    computes the due masks between `forward` and `sample`."""
+
+    splits_sampling = True
+
+    def forward(self, sub_batches):
+        return len(sub_batches)
+
+    def sample(self, forward, sampling):
+        assert forward == len(sampling)
+        self.num_executed += 1
+        return self._sample(sampling)
+
+    def finished_at(self, forward):
+        return None
+
+
+RUNNERS = {"one call": GreedyRunner, "forward, then sampling": SplitGreedyRunner}
 
 
 @pytest.fixture(scope="module")
@@ -83,11 +108,12 @@ def compiler(tokenizer):
     return GrammarCompiler(tokenizer.to_json(), vocab_size=VOCAB, eos_token_ids=(EOS_ID,))
 
 
-@pytest.fixture(scope="module")
-def engine(tokenizer):
+@pytest.fixture(scope="module", params=list(RUNNERS))
+def engine(tokenizer, request):
+    """Both ways of running a step: what the tests assert holds for each."""
     config = EngineConfig(**ENGINE)
     preferred = [tokenizer.token_to_id(symbol) for symbol in (",", "1", "a")]
-    return Engine(GreedyRunner(config, preferred), tokenizer, config)
+    return Engine(RUNNERS[request.param](config, preferred), tokenizer, config)
 
 
 def _shortest(compiler, structured) -> int:
