@@ -2,6 +2,7 @@
 engine, and holding an engine between steps (`StepGate`) so that what a test asserts does not
 depend on how fast the machine is."""
 
+import contextlib
 import threading
 import time
 
@@ -9,7 +10,7 @@ import numpy as np
 
 from meshserve.serving.engine.core import Engine
 from meshserve.serving.engine.loop import EngineLoop
-from meshserve.serving.grpc_api.server import GenerationServer
+from meshserve.serving.grpc_api.server import GenerationServer, ServerConfig
 
 ENGINE = dict(num_pages=64, page_size=16, max_num_seqs=8, max_num_batched_tokens=64,
               prefill_chunk=32, max_model_len=256, max_logprobs=5, compilation_cache=False,
@@ -19,6 +20,31 @@ ENGINE = dict(num_pages=64, page_size=16, max_num_seqs=8, max_num_batched_tokens
 SMOL = dict(num_pages=64, page_size=16, max_num_seqs=4, max_num_batched_tokens=64,
             prefill_chunk=32, max_model_len=256, max_logprobs=3, warmup=False,
             compilation_cache=False)
+
+
+@contextlib.contextmanager
+def openai_server(engine: Engine):
+    """`engine` behind a real server on 127.0.0.1 (gRPC and HTTP) and the official `openai`
+    client on its HTTP port: yields (server, client); the server stops on leaving."""
+    import openai
+
+    server = GenerationServer(engine, ServerConfig(port=0, http_port=0))
+    server.start()
+    try:
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="none",
+                           max_retries=0) as client:
+            yield server, client
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def smol_openai_client(path, engine: dict = SMOL):
+    """SmolLM2 with `engine`'s shapes behind `openai_server`: yields the client."""
+    from meshserve.serving.python_api.llm import LLM
+
+    with openai_server(LLM(str(path), **engine).engine) as (_, client):
+        yield client
 
 
 def prompt_ids(seed: int, length: int = 12) -> list[int]:

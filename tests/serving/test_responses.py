@@ -22,11 +22,9 @@ import pytest
 
 from meshserve.serving.engine.core import Engine
 from meshserve.serving.engine.engine_config import EngineConfig
-from meshserve.serving.grpc_api.server import GenerationServer, ServerConfig
 from meshserve.serving.openai_api.responses import responses_table
-from meshserve.serving.python_api.llm import LLM
-from tests.serving.served import StepGate, pages_free, record_aborts, record_cancels, wait_for
-from tests.serving.test_http import SMOL
+from tests.serving.served import (StepGate, pages_free, record_aborts, record_cancels,
+                                  openai_server, smol_openai_client, wait_for)
 from tests.serving.test_tool_calls import ENGINE, PARIS, WEATHER, ScriptedRunner, hermes_tokenizer
 
 openai = pytest.importorskip("openai")
@@ -50,14 +48,10 @@ def scripted():
     runner = ScriptedRunner(config)
     engine = Engine(runner, tokenizer, config)
     gate = StepGate(engine)  # open, but for the disconnect test
-    server = GenerationServer(engine, ServerConfig(port=0, http_port=0))
-    server.start()
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="none",
-                       max_retries=0) as client:
+    with openai_server(engine) as (server, client):
         yield SimpleNamespace(client=client, runner=runner, tokenizer=tokenizer, server=server,
                               gate=gate)
-    gate.open()
-    server.stop()
+        gate.open()
 
 
 def _say(scripted, text: str) -> None:
@@ -269,13 +263,8 @@ PERSON = {"type": "object",
 
 @pytest.fixture(scope="module")
 def smol(smollm2_files):
-    llm = LLM(str(smollm2_files.path), **SMOL)
-    server = GenerationServer(llm.engine, ServerConfig(port=0, http_port=0))
-    server.start()
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="none",
-                       max_retries=0) as client:
+    with smol_openai_client(smollm2_files.path) as client:
         yield SimpleNamespace(client=client, model=client.models.list().data[0].id)
-    server.stop()
 
 
 @pytest.mark.slow

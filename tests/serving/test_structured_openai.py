@@ -8,8 +8,7 @@ import json
 import jsonschema
 import pytest
 
-from meshserve.serving.python_api.llm import LLM
-from meshserve.serving.grpc_api.server import GenerationServer, ServerConfig
+from tests.serving.served import smol_openai_client
 
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")
@@ -35,13 +34,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def client(smollm2_files):
-    llm = LLM(str(smollm2_files.path), **SMOL)
-    server = GenerationServer(llm.engine, ServerConfig(port=0, http_port=0))
-    server.start()
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="none",
-                       max_retries=0) as client:
+    with smol_openai_client(smollm2_files.path, SMOL) as client:
         yield client
-    server.stop()
 
 
 def _chat(client, stream=False, **fields):

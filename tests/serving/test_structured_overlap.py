@@ -11,7 +11,6 @@ from that step dropped, the requests beside it unchanged. No jax program runs he
 test_mask_transfer.py and tests/serving/test_structured.py run the real split step."""
 
 import numpy as np
-import pytest
 
 from meshserve.batching.knobs import SchedulerConfig
 from meshserve.batching.request import Request, RequestStatus
@@ -21,23 +20,15 @@ from meshserve.batching.structured import Constraint, StructuredOutput, mask_wor
 from meshserve.serving.engine.admission import Admitted
 from meshserve.serving.engine.core import Engine
 from meshserve.serving.engine.engine_config import EngineConfig
-from meshserve.serving.engine.grammar import GrammarCompiler, fill_masks
-from tests.serving.test_structured_budget import ENGINE, RUNNERS, VOCAB
-from tests.serving.tiny_tokenizer import EOS_ID, tiny_tokenizer
+from meshserve.serving.engine.grammar import fill_masks
+# its fixtures too: the tiny tokenizer and a grammar compiler over it
+from tests.serving.test_structured_budget import (ENGINE, RUNNERS, VOCAB, compiler,  # noqa: F401
+                                                  tokenizer)
+from tests.serving.tiny_tokenizer import EOS_ID
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"},
                                            "s": {"type": "string", "maxLength": 3}},
           "required": ["n", "s"], "additionalProperties": False}
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer):
-    return GrammarCompiler(tokenizer.to_json(), vocab_size=VOCAB, eos_token_ids=(EOS_ID,))
 
 
 def _scheduler(*, defers_masks: bool) -> Scheduler:
