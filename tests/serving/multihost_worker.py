@@ -13,6 +13,7 @@ misuse the job must refuse).
 import argparse
 import json
 import os
+import re
 from pathlib import Path
 
 from meshserve.batching.sampling import SamplingParams  # plain Python: jax is not imported yet
@@ -35,7 +36,9 @@ def main() -> None:
     parser.add_argument("--peer-timeout", type=float, default=5.0)
     parser.add_argument("--other-prompts", action="store_true")
     args = parser.parse_args()
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
+                   os.environ.get("XLA_FLAGS", ""))
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices} {flags}"
 
     import jax
 

@@ -9,6 +9,7 @@ Every run is a pair of real subprocesses with a hard timeout, so no test can han
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -45,7 +46,9 @@ def _free_port() -> int:
 
 
 def _env(devices: int = 2) -> dict[str, str]:
-    return os.environ | {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+    """The suite's XLA flags (tests/conftest.py) with the processes' own device count."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ["XLA_FLAGS"])
+    return os.environ | {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {flags}",
                          "PYTHONUNBUFFERED": "1"}
 
 
