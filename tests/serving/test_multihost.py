@@ -32,7 +32,9 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).parents[2]
 WORKER = Path(__file__).with_name("multihost_worker.py")
-MESHES = ["model=4", "stage=2,model=2", "data=2,model=2"]  # (1,1,4), (1,2,2), (2,1,2)
+# (1,2,2): stages across the processes, (2,1,2): replicas across them; tensor parallelism across
+# them, model=4, is SmolLM2's served run below (and the mismatch test's job).
+MESHES = ["stage=2,model=2", "data=2,model=2"]
 TIMEOUT = 300  # seconds a two-process run of one mesh may take, start-up and compiles included
 SERVE_OPTIONS = ["--num-pages", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
                  "--prefill-chunk", "32", "--max-model-len", "256", "--no-warmup",

@@ -44,10 +44,10 @@ def _serve(engine: Engine, requests) -> list[list[int]]:
 
 
 def test_predicted_ordering_gives_the_fcfs_tokens_with_fewer_preemptions(tiny_model):
-    """8 pages for 16 requests of up to 100 tokens (7 pages), 4 at a time: FCFS admits into
+    """8 pages for 10 requests of up to 100 tokens (7 pages), 4 at a time: FCFS admits into
     shortages and preempts; keeping pages for each request's known length does not. (The pool
     of tests/serving/test_engine.py's tight engine: its programs.)"""
-    requests = _requests(16)
+    requests = _requests(10)
     tight = TINY | dict(num_pages=9)
     fcfs = Engine.from_model(tiny_model, None, EngineConfig(**tight))
     predicted = Engine.from_model(tiny_model, None, EngineConfig(**tight, ordering="predicted"),
