@@ -86,7 +86,6 @@ class Request:
     arrival_step: int = 0  # the scheduler's step count when it was added (for aging)
     # The compiled structured-output constraint of `params.structured` (set by the engine):
     constraint: Constraint | None = dataclasses.field(default=None, repr=False)
-    speculate: bool = True  # whether it may draft, when the engine speculates (an opt-out)
     seed: int = dataclasses.field(init=False)
 
     def __post_init__(self):

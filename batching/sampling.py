@@ -41,7 +41,8 @@ class SamplingParams:
     frequency penalties apply to output tokens only. `logprobs` asks for that many top logprobs per
     output token (0: the chosen token's only), `prompt_logprobs` the same for prompt tokens.
     `structured` constrains the output to a JSON schema, a regex, a choice or a grammar
-    (`StructuredOutput`, or a dict of its fields).
+    (`StructuredOutput`, or a dict of its fields). `speculate` False keeps the request from
+    drafting when the engine speculates (`speculative_config`); its tokens are the same either way.
     """
 
     max_tokens: int = 16
@@ -60,6 +61,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured: StructuredOutput | None = None
+    speculate: bool = True
 
     def __post_init__(self):
         self._check_lengths()
@@ -107,6 +109,8 @@ class SamplingParams:
         self._set("stop_token_ids", _as_token_ids("stop_token_ids", self.stop_token_ids))
         _require(isinstance(self.ignore_eos, bool),
                  f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        _require(isinstance(self.speculate, bool),
+                 f"speculate must be True or False, got {self.speculate!r}")
 
     def _check_extras(self) -> None:
         if self.seed is not None:

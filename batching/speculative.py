@@ -43,7 +43,7 @@ tokens cost more than they save; default 4), and only within the step's room: dr
 sequence slot each (`max_num_seqs`), a token of the budget each, and free KV pages (never an
 eviction or a preemption). A step that carries prefill chunks takes drafts only into the padding
 of its token bucket, so drafts never make a prefill step wider. Constrained requests (structured
-output) and requests that opted out (`Request.speculate`) never draft; they run as usual beside
+output) and requests that opted out (`SamplingParams.speculate` False) never draft; they run as usual beside
 those that do.
 
 This module is plain Python and numpy; it must not import jax or anything from meshserve's
@@ -472,7 +472,7 @@ def _candidates(plan: StepPlan, scheduler):
         if not row.is_sampled or row.num_new != 1:
             continue
         request = scheduler.get(row.request_id)
-        if request is None or request.constraint is not None or not request.speculate:
+        if request is None or request.constraint is not None or not request.params.speculate:
             continue
         yield row, request
 

@@ -191,34 +191,51 @@ def _stats_delta(before, after):
     return dataclasses.replace(after, **fields)
 
 
+# The continuous engine without drafts, run beside the speculating one (`make_engines`): what
+# speculation gains or costs on the same workload, in the same run.
+NO_SPECULATION = "no-speculation"
+
+
+def engine_configs(config: EngineConfig) -> dict[str, EngineConfig]:
+    """The engines a bench runs, by name: one per policy, warmed. The static baseline never
+    speculates: a `speculative_config` applies to the continuous engine, and then a third,
+    `NO_SPECULATION`, is the continuous policy without it."""
+    configs = {policy: dataclasses.replace(
+        config, policy=policy, warmup=True,
+        speculative_config=config.speculative_config if policy == "continuous" else None)
+        for policy in POLICY_NAMES}
+    if config.speculative_config is not None:
+        configs[NO_SPECULATION] = dataclasses.replace(configs["continuous"],
+                                                      speculative_config=None)
+    return configs
+
+
 def make_engines(model, config: EngineConfig) -> dict[str, Engine]:
-    """One warmed engine per policy, sharing one runner (one compiled set). The static
-    baseline never speculates: a `speculative_config` applies to the continuous engine."""
+    """`engine_configs`' engines, sharing one runner (one compiled set)."""
     engines, runner = {}, None
-    for policy in POLICY_NAMES:
-        spec = config.speculative_config if policy == "continuous" else None
-        engine = Engine.from_model(model, None,
-                                   dataclasses.replace(config, policy=policy, warmup=True,
-                                                       speculative_config=spec),
-                                   runner=runner)
-        engines[policy], runner = engine, engine.runner
+    for name, settings in engine_configs(config).items():
+        engine = Engine.from_model(model, None, settings, runner=runner)
+        engines[name], runner = engine, engine.runner
     return engines
 
 
 def compare_policies(model, config: EngineConfig, requests: list[BenchRequest], *,
                      mode: str = "offline", engines: dict[str, Engine] | None = None,
                      progress: bool = False, **online: Any) -> dict[str, Any]:
-    """Both policies on the same requests; `online` holds `run_online`'s arrival options."""
+    """Both policies (and `NO_SPECULATION` when the continuous engine speculates) on the same
+    requests; `online` holds `run_online`'s arrival options."""
     if mode not in ("offline", "online"):
         raise ValueError(f"mode must be offline or online, got {mode!r}")
     engines = engines or make_engines(model, config)
     results = {}
-    for policy in POLICY_NAMES:
-        engine = engines[policy]
-        results[policy] = (run_offline(engine, requests, progress=progress) if mode == "offline"
-                           else run_online(engine, requests, progress=progress, **online))
+    for name, engine in engines.items():
+        results[name] = (run_offline(engine, requests, progress=progress) if mode == "offline"
+                         else run_online(engine, requests, progress=progress, **online))
     c, s = results["continuous"], results["static"]
     results["ratio_output_tokens_per_s"] = c["output_tokens_per_s"] / s["output_tokens_per_s"]
+    if NO_SPECULATION in results:
+        results["ratio_speculation_output_tokens_per_s"] = (
+            c["output_tokens_per_s"] / results[NO_SPECULATION]["output_tokens_per_s"])
     return results
 
 

@@ -212,7 +212,8 @@ def run(args: argparse.Namespace) -> None:
 def _repeated(args: argparse.Namespace, llm: LLM, requests: list, engines: dict,
               peers: list[str], online: dict[str, Any], progress: bool
               ) -> tuple[dict[str, Any], int]:
-    """`--repeats N`: continuous, static and each peer, in that order, N times over
+    """`--repeats N`: continuous, static (and `bench.NO_SPECULATION` when the engine
+    speculates) and each peer, in that order, N times over
     (`meshserve.serving.bench.repeats`). The results show each system's median run, the ratios
     are ratios of medians, and `repeats` holds the summary and every run. Also returns this
     process's peak resident memory after the first repeat's policies, before any peer ran in
@@ -221,9 +222,8 @@ def _repeated(args: argparse.Namespace, llm: LLM, requests: list, engines: dict,
     for i in range(args.repeats):
         print(f"repeat {i + 1} of {args.repeats}", flush=True)
         run: dict[str, Any] = {}
-        for policy in bench.POLICY_NAMES:
-            engine = engines[policy]
-            run[policy] = repeats.measured(
+        for name, engine in engines.items():
+            run[name] = repeats.measured(
                 lambda: bench.run_offline(engine, requests, progress=progress)
                 if args.mode == "offline" else
                 bench.run_online(engine, requests, progress=progress, **online))
@@ -235,9 +235,12 @@ def _repeated(args: argparse.Namespace, llm: LLM, requests: list, engines: dict,
                 arrivals={k: v for k, v in online.items() if k != "frontend"})[name])
         runs.append(run)
     summary = repeats.summarize(runs)
-    results: dict[str, Any] = {p: repeats.median_run(runs, p) for p in bench.POLICY_NAMES}
+    results: dict[str, Any] = {name: repeats.median_run(runs, name) for name in engines}
     results["ratio_output_tokens_per_s"] = (
         summary["ratios"]["continuous/static"]["ratio_of_medians"])
+    if bench.NO_SPECULATION in engines:
+        results["ratio_speculation_output_tokens_per_s"] = (
+            summary["ratios"][f"continuous/{bench.NO_SPECULATION}"]["ratio_of_medians"])
     if peers:
         results["peers"] = {}
         for name in peers:
@@ -378,13 +381,15 @@ def _bench_requests(args: argparse.Namespace, llm: LLM) -> list:
 
 
 def _print_bench(results: dict, roof: dict | None, *, online: bool) -> None:
-    print(f"{'policy':<11} {'out tok/s':>10} {'req/s':>7} {'prefill pad':>11} {'decode pad':>10} "
+    print(f"{'policy':<14} {'out tok/s':>10} {'req/s':>7} {'prefill pad':>11} {'decode pad':>10} "
           f"{'host':>6} {'kv peak':>7} {'frag mean':>9} {'frag peak':>9} {'preempt':>7} "
           f"{'recompiles':>10} {'stage util':>10}")
-    for policy in ("continuous", "static"):
+    for policy in ("continuous", "static", bench.NO_SPECULATION):
+        if policy not in results:
+            continue
         r = results[policy]
         kv = r["kv"]
-        print(f"{policy:<11} {r['output_tokens_per_s']:>10.1f} {r['requests_per_s']:>7.2f} "
+        print(f"{policy:<14} {r['output_tokens_per_s']:>10.1f} {r['requests_per_s']:>7.2f} "
               f"{r['prefill_padding']:>11.1%} {r['decode_padding']:>10.1%} "
               f"{r['host_overhead']:>6.1%} {kv['peak_used_pages']:>7} "
               f"{kv['mean_fragmentation']:>9.1%} {kv['peak_fragmentation']:>9.1%} "
@@ -433,6 +438,9 @@ def _print_bench(results: dict, roof: dict | None, *, online: bool) -> None:
                      f"{peer['ratio_continuous_ttft_median']:.2f}x"
                      if "ratio_continuous_ttft_median" in peer else ""))
     print(f"continuous / static output tokens/s: {results['ratio_output_tokens_per_s']:.2f}x")
+    if "ratio_speculation_output_tokens_per_s" in results:
+        print(f"continuous / {bench.NO_SPECULATION} output tokens/s: "
+              f"{results['ratio_speculation_output_tokens_per_s']:.2f}x")
 
 
 def _ms(seconds: float | None) -> str:

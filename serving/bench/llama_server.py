@@ -8,7 +8,9 @@ with parallel slots and continuous batching, the engine a CPU user who wants thr
    one slot per `max_num_seqs` row, each with `max_model_len` tokens of context (`-c` is slots
    times that; the KV cache is not unified, so each slot has exactly its share),
    `max_num_batched_tokens` as its batch (`-b`, `-ub`), the bench's CPU threads (`-t`, `-tb`),
-   and prompt reuse only when meshserve's prefix caching is on; then waits for `/health`;
+   prompt reuse only when meshserve's prefix caching is on, and, when meshserve drafts by
+   prompt lookup (`ngram`), llama.cpp's own lookup (`--spec-type ngram-simple`,
+   `ServerShape.lookup`); then waits for `/health`;
 3. sends one short warm-up request, untimed, which also proves the protocol works;
 4. sends the workload's token ids to `/completion`, streamed, through
    `loadgen.run_online(frontend="llama-server")`, on the arrival schedule meshserve's own run
@@ -58,13 +60,17 @@ SHORT_OUTPUT = "SHORT_OUTPUT"
 class ServerShape:
     """The server's parallelism: `slots` sequences at once, each up to `context_per_slot`
     tokens; `batch_tokens` tokens per decode call; `threads` CPU threads (None: llama.cpp's
-    default); `cache_prompt` lets a slot reuse the prefix its previous request left."""
+    default); `cache_prompt` lets a slot reuse the prefix its previous request left; `lookup`
+    (n, m) turns on llama.cpp's prompt-lookup speculation, `ngram-simple`: the last n tokens
+    are looked up in the slot's own context and the (up to) m tokens that followed them are
+    drafted, then verified in one batch."""
 
     slots: int
     context_per_slot: int
     batch_tokens: int = 512
     threads: int | None = None
     cache_prompt: bool = False
+    lookup: tuple[int, int] | None = None
 
     def __post_init__(self):
         for field in ("slots", "context_per_slot", "batch_tokens"):
@@ -72,14 +78,23 @@ class ServerShape:
                 raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1 (or None), got {self.threads}")
+        if self.lookup is not None and (len(self.lookup) != 2 or min(self.lookup) < 1):
+            raise ValueError(f"lookup must be (n, m) with both >= 1, got {self.lookup}")
 
     @classmethod
     def matching(cls, engine_config: Any, *, threads: int | None = None) -> ServerShape:
         """The shape of a meshserve `EngineConfig` (settled by `for_model`, so `max_model_len`
-        is set)."""
+        is set). An `ngram` speculative config becomes llama.cpp's own lookup: its shortest
+        suffix (`prompt_lookup_min`, so llama.cpp finds every match meshserve's proposer can)
+        and `num_speculative_tokens` drafts; a draft model has no counterpart here (the peer then
+        decodes without speculation)."""
+        spec = getattr(engine_config, "speculative_config", None)
+        lookup = None
+        if spec is not None and spec.method == "ngram":
+            lookup = (spec.prompt_lookup_min, spec.num_speculative_tokens)
         return cls(slots=engine_config.max_num_seqs, context_per_slot=engine_config.max_model_len,
                    batch_tokens=engine_config.max_num_batched_tokens, threads=threads,
-                   cache_prompt=engine_config.enable_prefix_caching)
+                   cache_prompt=engine_config.enable_prefix_caching, lookup=lookup)
 
     def arguments(self) -> list[str]:
         """llama-server's command-line flags for this shape."""
@@ -89,6 +104,10 @@ class ServerShape:
             args += ["-t", str(self.threads), "-tb", str(self.threads)]
         if not self.cache_prompt:
             args += ["--cache-ram", "0"]  # no host-side prompt cache to fill and search either
+        if self.lookup is not None:
+            n, m = self.lookup
+            args += ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(n),
+                     "--spec-ngram-simple-size-m", str(m), "--spec-draft-n-max", str(m)]
         return args
 
 

@@ -158,18 +158,16 @@ class Engine:
                   f"compilation cache)", file=sys.stderr, flush=True)
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                    request_id: str | None = None, priority: int = 0,
-                    speculate: bool = True) -> str:
+                    request_id: str | None = None, priority: int = 0) -> str:
         """Checks a request (`self.admission`) and queues it; raises `AdmissionError` (a
-        ValueError), naming the field and what to change, if it can never run. `speculate`
-        False keeps it from drafting when the engine speculates."""
+        ValueError), naming the field and what to change, if it can never run."""
         if request_id is None:
             request_id = str(next(self._ids))
         admitted = self.admission.admit(Prompt.of(prompt), params or SamplingParams(),
                                         request_id=request_id)
-        return self.enqueue(admitted, priority=priority, speculate=speculate)
+        return self.enqueue(admitted, priority=priority)
 
-    def enqueue(self, admitted: Admitted, *, priority: int = 0, speculate: bool = True) -> str:
+    def enqueue(self, admitted: Admitted, *, priority: int = 0) -> str:
         """Queues a request the admission check passed, checking nothing again; a request id
         already in use is a ValueError."""
         request_id = admitted.request_id
@@ -178,7 +176,6 @@ class Engine:
         request = Request(request_id=request_id, prompt_token_ids=admitted.prompt_ids,
                           params=admitted.params, priority=priority)
         request.constraint = admitted.constraint
-        request.speculate = speculate
         self.scheduler.add(request)  # its fit check is an invariant here: admission checked it
         self._streams[request_id] = Stream.open(request, admitted.prompt_text, self.tokenizer)
         return request_id

@@ -165,6 +165,9 @@ FIELDS: tuple[Field, ...] = (
     honoured("return_tokens_as_token_ids", "logprob tokens as `token_id:<id>`", typed(bool),
              origin="vLLM"),
     honoured("priority", "lower is scheduled first, as in vLLM", typed(int), origin="vLLM"),
+    honoured("speculate", "false: this request never drafts when the server speculates "
+             "(`--speculative-config`); the same tokens either way", typed(bool),
+             origin="meshserve", sampling="speculate"),
     honoured("request_id", "the response's id is `cmpl-<request_id>` (`chatcmpl-` for chat); "
              "the x-request-id header wins over it", typed(str), origin="vLLM"),
     refused("use_beam_search", "no beam search", neutral=(False,), origin="vLLM"),

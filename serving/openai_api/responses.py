@@ -246,6 +246,7 @@ FIELDS: tuple[Field, ...] = (
     # -- vLLM -----------------------------------------------------------------------------------
     _chat_row("top_k"),
     _chat_row("priority"),
+    _chat_row("speculate"),
     honoured("request_id", "the response's id is `resp_<request_id>`; the x-request-id header "
              "wins over it", typed(str), origin="vLLM", **_ONLY),
     _chat_row("logit_bias", origin="vLLM"),

@@ -64,6 +64,7 @@ INVALID = [
     ("stop_token_ids", 2, "stop_token_ids must be a list of ints"),
     ("ignore_eos", 1, "ignore_eos must be True or False, got 1"),
     ("ignore_eos", "yes", "ignore_eos must be True or False"),
+    ("speculate", 0, "speculate must be True or False, got 0"),
     ("seed", -1, "seed must be in [0, 4294967295], got -1"),
     ("seed", 2**32, "seed must be in [0, 4294967295]"),
     ("seed", 1.0, "seed must be an int"),

@@ -110,7 +110,8 @@ def test_sampling_params_cross_the_wire_unchanged():
     params = SamplingParams(max_tokens=40, min_tokens=2, temperature=0.5, top_k=7, top_p=0.75,
                             min_p=0.125, repetition_penalty=1.25, presence_penalty=0.5,
                             frequency_penalty=-0.5, stop=("a", "bc"), stop_token_ids=(3, 4),
-                            ignore_eos=True, seed=2**32 - 1, logprobs=3, prompt_logprobs=0)
+                            ignore_eos=True, seed=2**32 - 1, logprobs=3, prompt_logprobs=0,
+                            speculate=False)
     for p in (params, SamplingParams()):
         message = sampling_message(p)
         assert all(message.HasField(name) for name, value in vars(p).items()

@@ -305,7 +305,8 @@ def test_every_honoured_completions_field_is_served(fake, monkeypatch):
             "logprobs": 1, "stream": False, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1,
             "stop_token_ids": [0], "ignore_eos": True, "min_tokens": 1, "prompt_logprobs": 1,
             "return_token_ids": True, "return_tokens_as_token_ids": True, "priority": -1,
-            "request_id": "all", "user": "u", "guided_decoding_backend": "auto"}
+            "request_id": "all", "user": "u", "guided_decoding_backend": "auto",
+            "speculate": False}
     served = {f.name for f in FIELDS if f.verdict != "refused" and "completions" in f.endpoints}
     assert served - set(body) == {"stop", "stream_options", "response_format",
                                   "structured_outputs", "guided_json", "guided_regex",

@@ -190,6 +190,26 @@ def test_prefix_caching_on_leaves_llama_servers_prompt_cache_on():
     assert "-t" not in shape.arguments()
 
 
+def test_prompt_lookup_in_the_engine_turns_on_llama_servers_own_lookup():
+    ngram = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2,
+             "prompt_lookup_max": 4}
+    argv = llama_server.ServerShape.matching(
+        EngineConfig(max_num_seqs=6, max_model_len=32, speculative_config=ngram)).arguments()
+    assert {name: flag(argv, name) for name in (
+        "--spec-type", "--spec-ngram-simple-size-n", "--spec-ngram-simple-size-m",
+        "--spec-draft-n-max")} == {"--spec-type": "ngram-simple",
+                                   "--spec-ngram-simple-size-n": "2",
+                                   "--spec-ngram-simple-size-m": "5", "--spec-draft-n-max": "5"}
+    draft = {"method": "draft_model", "model": "smollm2-135m-instruct",
+             "num_speculative_tokens": 3}
+    for spec in (None, draft):  # no lookup of its own: the peer decodes plainly
+        shape = llama_server.ServerShape.matching(
+            EngineConfig(max_num_seqs=6, max_model_len=32, speculative_config=spec))
+        assert shape.lookup is None and "--spec-type" not in shape.arguments()
+    with pytest.raises(ValueError, match="lookup must be"):
+        llama_server.ServerShape(slots=1, context_per_slot=32, lookup=(0, 4))
+
+
 def test_the_server_is_stopped_when_the_run_fails(fake_binary):
     binary = build.cached_binary(cache_dir=fake_binary["cache"])
     shape = llama_server.ServerShape(slots=1, context_per_slot=32)

@@ -21,7 +21,8 @@ from meshserve.batching.speculative import SpeculativeConfig
 from meshserve.model.config import ModelConfig
 from meshserve.model.loading.checkpoint import save_checkpoint
 from meshserve.model.transformer import model_from_params
-from meshserve.serving.bench.workloads import grounded_workload
+from meshserve.serving.bench import bench
+from meshserve.serving.bench.workloads import BenchRequest, grounded_workload
 from meshserve.serving.cli.main import build_parser
 from meshserve.serving.engine.core import Engine
 from meshserve.serving.engine.engine_config import EngineConfig
@@ -181,7 +182,8 @@ def test_the_load_rule_and_the_opt_out_keep_requests_from_drafting():
     stats = engine.speculator.stats
     assert stats.num_steps_off > 0 and stats.num_drafts > 0  # the last one alone drafts
     opted_out = _engine(proposer=OracleProposer())
-    outputs = _run(opted_out, requests, speculate=False)
+    outputs = _run(opted_out, [(p, dataclasses.replace(s, speculate=False))
+                               for p, s in requests])
     assert opted_out.speculator.stats.num_drafts == 0
     assert [o.outputs[0].token_ids for o in outputs] == [
         reference_outputs(p, s.max_tokens) for p, s in requests]
@@ -253,6 +255,26 @@ class _Characters:
 
     def encode(self, text):
         return [ord(c) for c in text]
+
+
+def test_bench_runs_the_engine_without_drafts_beside_the_speculating_one():
+    configs = bench.engine_configs(EngineConfig(**CONFIG, speculative_config=NGRAM))
+    assert list(configs) == ["continuous", "static", bench.NO_SPECULATION]
+    assert [c.speculative_config is not None for c in configs.values()] == [True, False, False]
+    assert configs[bench.NO_SPECULATION].policy == "continuous"
+    assert all(c.warmup for c in configs.values())
+    assert list(bench.engine_configs(EngineConfig(**CONFIG))) == ["continuous", "static"]
+    engines = {name: Engine(FakeModelRunner(c), None, c) for name, c in configs.items()}
+    engines["continuous"].speculator.proposer = OracleProposer(miss=False)
+    requests = [BenchRequest(prompt_token_ids=_prompt(5, seed=i), num_output_tokens=12)
+                for i in range(2)]
+    results = bench.compare_policies(None, None, requests, engines=engines)
+    assert results["continuous"]["speculative"]["num_draft_tokens"] > 0
+    assert "speculative" not in results[bench.NO_SPECULATION]
+    assert {results[n]["output_tokens"] for n in configs} == {24}
+    assert results["ratio_speculation_output_tokens_per_s"] == pytest.approx(
+        results["continuous"]["output_tokens_per_s"]
+        / results[bench.NO_SPECULATION]["output_tokens_per_s"])
 
 
 def test_the_grounded_workload_asks_for_answers_that_copy_their_input():
