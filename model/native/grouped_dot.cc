@@ -430,7 +430,41 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshservePackedDot, PackedDot,
                                   .Attr<int64_t>("bits")
                                   .Attr<int64_t>("offset"));
 
+
 #if defined(__AVX512F__)
+// One row of x against VR rows of the table from `vi`: each group's codes are converted and
+// multiplied by x in registers (never stored as floats), the group's partial sum takes its scale
+// in the running sum (and x's group sum, `xsum`, the group's minimum), one reduction a row.
+// The VR rows' sums are independent chains, so their latencies overlap. G a multiple of 16.
+template <int VR>
+static void TableOneRowMicro(const Operands& o, int64_t v, int64_t vi, const float* xsum) {
+  const int64_t d = o.k, groups = o.groups, g = d / groups;
+  __m512 total[VR];
+  float low[VR];
+  for (int a = 0; a < VR; ++a) {
+    total[a] = _mm512_setzero_ps();
+    low[a] = 0.0f;
+  }
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    __m512 part[VR];
+    for (int a = 0; a < VR; ++a) part[a] = _mm512_setzero_ps();
+    for (int64_t j = gi * g; j < (gi + 1) * g; j += 16) {
+      const __m512 xv = _mm512_loadu_ps(o.xs + j);
+      for (int a = 0; a < VR; ++a) {
+        const int8_t* code = o.c + (vi + a) * d + j;
+        const __m512 w = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(code))));
+        part[a] = _mm512_fmadd_ps(w, xv, part[a]);
+      }
+    }
+    for (int a = 0; a < VR; ++a) {
+      total[a] = _mm512_fmadd_ps(part[a], _mm512_set1_ps(o.s[(vi + a) * groups + gi]), total[a]);
+      if (o.mn) low[a] += o.mn[(vi + a) * groups + gi] * xsum[gi];
+    }
+  }
+  for (int a = 0; a < VR; ++a) o.out[vi + a] = _mm512_reduce_add_ps(total[a]) + low[a];
+}
+
 // VR vocabulary rows (dequantized, `rows` [VR, D]) against MR rows of x from `m0`: the sums of
 // VR x MR pairs stay in registers while each value of x is loaded once per VR rows; one
 // reduction a pair at the end.
@@ -451,18 +485,40 @@ static void TableMicro(const Operands& o, int64_t v, const float* rows, int64_t 
   for (int a = 0; a < VR; ++a)
     for (int b = 0; b < MR; ++b) o.out[(m0 + b) * v + vi + a] = _mm512_reduce_add_ps(total[a][b]);
 }
+
+// Every row of x against VR dequantized rows of the table, four rows of x at a time.
+template <int VR>
+static void TableBlock(const Operands& o, int64_t v, const float* rows, int64_t vi) {
+  int64_t m0 = 0;
+  for (; m0 + 4 <= o.m; m0 += 4) TableMicro<VR, 4>(o, v, rows, vi, m0);
+  for (; m0 < o.m; ++m0) TableMicro<VR, 1>(o, v, rows, vi, m0);
+}
 #endif
 
 // Vocabulary rows [vb, ve) of the tied LM head y [M, V] = x [M, D] . T [V, D]^T, where
-// T = codes * scale (+ min) per group of G along D (a GGUF's `token_embd` layout): each row of
-// the table is dequantized once into a buffer in cache, then multiplied by every row of x
-// (two rows of the table against four of x at a time, with AVX-512 and D a multiple of 16).
+// T = codes * scale (+ min) per group of G along D (a GGUF's `token_embd` layout). With AVX-512
+// and D a multiple of 16: one row of x reads each row's codes straight into its dot
+// (`TableOneRowMicro`); several rows dequantize four rows of the table at a time into a buffer
+// in cache, then multiply them by every row of x (four of x at a time), so x is read once per
+// four rows of the table. Otherwise each row of the table is dequantized and dotted plainly.
 static void TableRows(const Operands& o, int64_t v, int64_t vb, int64_t ve) {
   const int64_t m = o.m, d = o.k, groups = o.groups, g = d / groups;
-  std::vector<float> rows(2 * d);
-  for (int64_t vi = vb; vi < ve; vi += 2) {
-    const int64_t pair = std::min<int64_t>(2, ve - vi);
-    for (int64_t a = 0; a < pair; ++a) {
+  constexpr int64_t kBlock = 4;
+#if defined(__AVX512F__)
+  if (m == 1 && g % 16 == 0) {
+    std::vector<float> xsum(groups, 0.0f);
+    for (int64_t gi = 0; gi < groups; ++gi)
+      for (int64_t j = gi * g; j < (gi + 1) * g; ++j) xsum[gi] += o.xs[j];
+    int64_t vi = vb;
+    for (; vi + kBlock <= ve; vi += kBlock) TableOneRowMicro<kBlock>(o, v, vi, xsum.data());
+    for (; vi < ve; ++vi) TableOneRowMicro<1>(o, v, vi, xsum.data());
+    return;
+  }
+#endif
+  std::vector<float> rows(kBlock * d);
+  for (int64_t vi = vb; vi < ve; vi += kBlock) {
+    const int64_t block = std::min<int64_t>(kBlock, ve - vi);
+    for (int64_t a = 0; a < block; ++a) {
       const int8_t* code = o.c + (vi + a) * d;
       float* row = rows.data() + a * d;
       for (int64_t gi = 0; gi < groups; ++gi) {
@@ -474,18 +530,15 @@ static void TableRows(const Operands& o, int64_t v, int64_t vb, int64_t ve) {
     }
 #if defined(__AVX512F__)
     if (d % 16 == 0) {
-      int64_t m0 = 0;
-      if (pair == 2) {
-        for (; m0 + 4 <= m; m0 += 4) TableMicro<2, 4>(o, v, rows.data(), vi, m0);
-        for (; m0 < m; ++m0) TableMicro<2, 1>(o, v, rows.data(), vi, m0);
+      if (block == kBlock) {
+        TableBlock<kBlock>(o, v, rows.data(), vi);
       } else {
-        for (; m0 + 4 <= m; m0 += 4) TableMicro<1, 4>(o, v, rows.data(), vi, m0);
-        for (; m0 < m; ++m0) TableMicro<1, 1>(o, v, rows.data(), vi, m0);
+        for (int64_t a = 0; a < block; ++a) TableBlock<1>(o, v, rows.data() + a * d, vi + a);
       }
       continue;
     }
 #endif
-    for (int64_t a = 0; a < pair; ++a)
+    for (int64_t a = 0; a < block; ++a)
       for (int64_t mi = 0; mi < m; ++mi) {
         const float* xm = o.xs + mi * d;
         const float* row = rows.data() + a * d;

@@ -176,14 +176,16 @@ def test_native_kernels_are_refused_on_a_mesh():
 
 
 @pytest.mark.parametrize("has_mins", [False, True])
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 9])
 def test_the_native_table_head_matches_the_jnp_path(has_mins, rows):
+    """One row (each row's codes straight into its dot) and nine (blocks of four rows of the
+    table against four rows of x at a time, then the one left)."""
     from meshserve.model.quantized_table import table_logits
 
     fmt = QuantFormat(bits=8, group=32, num_contracted=1, num_out=0, has_mins=has_mins,
                       scale_dtype="float16")
     rng = np.random.default_rng(2)
-    # 101 rows: pairs of the table's rows, and one alone
+    # 101 rows: blocks of four of the table's rows, and one alone
     codes = rng.integers(0 if has_mins else -127, 16 if has_mins else 128, (101, 2, 32))
     scales = rng.uniform(0.001, 0.02, (101, 2))
     table = from_codes(codes, scales, -8 * scales if has_mins else None, fmt).map(jnp.asarray)
