@@ -12,7 +12,9 @@ passes:
      (`max_num_seqs`), budget, and pages for their first chunk with the watermark kept (below).
      The head of the queue always goes first, so it never starves. The others are taken from the
      next `admission_lookahead` (2 * max_num_seqs) requests, as the `Ordering` arranges them.
-     Admission stops at the first request whose chunk finds no pages.
+     Admission stops at the first request whose chunk finds no pages. A request whose LoRA
+     adapter finds no device slot (`can_hold_adapter`) is passed over, the head included: it
+     waits until a running request of another adapter lets its slot go.
 
 The watermark: a request is admitted only if, once its first chunk has its pages, at least
 `kv_watermark` of the replica's pages are still available (free or cached), so running requests
@@ -161,6 +163,8 @@ class ContinuousPolicy:
                              and d.num_preempted == 0]
             if not open_replicas:
                 return
+            if not scheduler.can_hold_adapter(request):
+                continue  # it waits for a slot of its adapter; the requests behind it go on
             placed, short_of_pages = False, False
             for replica, cached in self._placement_order(scheduler, request, open_replicas):
                 draft = drafts[replica]

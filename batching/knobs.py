@@ -156,10 +156,13 @@ class SchedulerConfig(SchedulingKnobs):
     num_replicas: int = 1
     step_buckets: tuple[int, ...] | None = None
     attention_window: int = 0
+    max_loras: int = 0  # LoRA adapter slots on the device (batching/adapters.py); 0: no LoRA
 
     def __post_init__(self):
         if self.max_model_len is None:
             raise ValueError("max_model_len must be an int >= 1, got None")
+        if not _is_int(self.max_loras) or self.max_loras < 0:
+            raise ValueError(f"max_loras must be an int >= 0, got {self.max_loras!r}")
         if not _is_int(self.num_replicas) or self.num_replicas < 1:
             raise ValueError(f"num_replicas must be an int >= 1, got {self.num_replicas!r}")
         if not _is_int(self.attention_window) or self.attention_window < 0:

@@ -49,6 +49,8 @@ class SubBatchPlan:
     targets: np.ndarray | None = None  # [B, T] next tokens whose logprobs are wanted
     replicas: np.ndarray | None = None  # [B] data-parallel replica of each row; None: all 0
     lockstep: bool = False  # every row, padding rows too, computes all T slots (static batching)
+    adapter_slots: np.ndarray | None = None  # [B] LoRA adapter slot of each row (0: none);
+    # None: no row runs an adapter
 
     def __post_init__(self):
         rows, width = self.tokens.shape
@@ -57,6 +59,7 @@ class SubBatchPlan:
         assert self.page_table.shape[0] == rows
         assert self.targets is None or self.targets.shape == (rows, width)
         assert self.replicas is None or self.replicas.shape == (rows,)
+        assert self.adapter_slots is None or self.adapter_slots.shape == (rows,)
         assert np.all(self.num_new <= width) and np.all(self.num_new <= self.kv_lens)
 
     @property
@@ -120,12 +123,14 @@ class StepPlan:
 
     `row_requests[i][r]` is the request id of row r of sub-batch i; `row_samples[i][r]` says whether
     that row's sampled token is a real output (False for a prompt chunk that is not the last).
+    `adapter_loads` are the LoRA adapters to load into device slots before the step runs.
     """
 
     sub_batches: tuple[SubBatchPlan, ...]
     sampling: tuple[SamplingArrays, ...]
     row_requests: tuple[tuple[str, ...], ...]
     row_samples: tuple[np.ndarray, ...]  # per sub-batch [B] bool
+    adapter_loads: tuple[tuple[int, int], ...] = ()  # (slot, adapter id) pairs
 
     def __post_init__(self):
         assert len(self.sub_batches) == len(self.sampling) == len(self.row_requests)
@@ -202,7 +207,14 @@ def _sub_batch(rows: Sequence[Row], page_size: int, num_replicas: int,
     plan = sub_batch_from_rows(inputs, page_size=page_size, targets=_prompt_targets(rows))
     replicas = None if num_replicas == 1 else np.array([row.request.replica for row in rows],
                                                         np.int32)
-    return dataclasses.replace(plan, replicas=replicas, lockstep=lockstep)
+    return dataclasses.replace(plan, replicas=replicas, lockstep=lockstep,
+                               adapter_slots=adapter_slots([row.request for row in rows]))
+
+
+def adapter_slots(requests: Sequence[Request]) -> np.ndarray | None:
+    """Each request's LoRA adapter slot [B] int32, or None when none runs an adapter."""
+    slots = np.array([request.adapter_slot for request in requests], np.int32)
+    return slots if slots.any() else None
 
 
 def _row_inputs(row: Row, page_size: int) -> tuple[list[int], int, list[int]]:

@@ -19,7 +19,7 @@ from meshserve.batching.request import Request
 
 
 class Primitives(Protocol):
-    """The scheduler as a policy sees it: six reads (the running list among them) and three
+    """The scheduler as a policy sees it: seven reads (the running list among them) and three
     moves."""
 
     running: list[Request]  # in admission order: the last is the newest
@@ -35,6 +35,9 @@ class Primitives(Protocol):
 
     def cached_prefix(self, request: Request) -> list[int]:
         """Cached pages matching the request's leading full pages on its replica."""
+
+    def can_hold_adapter(self, request: Request) -> bool:
+        """Whether the request's LoRA adapter (if any) has a device slot for it now."""
 
     def preemption_cost(self, request: Request) -> float:
         """Computed tokens a preemption would throw away per page it frees (inf if none)."""

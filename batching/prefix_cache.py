@@ -4,6 +4,8 @@ Page i of a sequence is keyed by `page_hash(key of page i - 1, its page_size tok
 names the whole prefix up to the end of its page: the same tokens after a different prefix get a
 different key, and a lookup that walks a prompt's keys from the start finds exactly the pages whose
 whole prefix matches. The hash is SHA-256, so two prefixes never share KV by a hash collision.
+The chain starts from the root key of the request's LoRA adapter (`root_key`): the same tokens
+under another adapter have other KV, so they get other keys.
 
 Only full, computed pages are registered. New tokens always go to a request's own later pages,
 so a shared page is never written again.
@@ -24,6 +26,14 @@ import hashlib
 from typing import Sequence
 
 ROOT_HASH = b""  # the parent key of a sequence's first page
+
+
+def root_key(adapter_id: int) -> bytes:
+    """The parent key of the first page of a sequence run with LoRA adapter `adapter_id` (0: the
+    base model, whose root is `ROOT_HASH`)."""
+    if adapter_id == 0:
+        return ROOT_HASH
+    return hashlib.sha256(b"lora-adapter" + array.array("q", [adapter_id]).tobytes()).digest()
 
 
 def page_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:

@@ -25,7 +25,7 @@ import random
 import time
 from typing import Sequence
 
-from meshserve.batching.prefix_cache import ROOT_HASH, page_hash
+from meshserve.batching.prefix_cache import page_hash, root_key
 from meshserve.batching.length import LengthFeatures, LengthPrediction
 from meshserve.batching.sampling import MAX_SEED, SamplingParams
 from meshserve.batching.structured import Constraint
@@ -86,6 +86,8 @@ class Request:
     arrival_step: int = 0  # the scheduler's step count when it was added (for aging)
     # The compiled structured-output constraint of `params.structured` (set by the engine):
     constraint: Constraint | None = dataclasses.field(default=None, repr=False)
+    adapter_id: int = 0  # its LoRA adapter's `lora_int_id`; 0: the base model
+    adapter_slot: int = 0  # the device slot of that adapter while it runs (`batching/adapters.py`)
     seed: int = dataclasses.field(init=False)
 
     def __post_init__(self):
@@ -132,7 +134,8 @@ class Request:
 
         Computed once and kept in `page_keys`: a request's tokens never change. Fewer keys come
         back where a page is not full yet or holds an output the host does not know yet (a
-        pipeline placeholder, < 0).
+        pipeline placeholder, < 0). The chain starts from its adapter's root key, so requests
+        with other adapters (or none) never share its pages.
         """
         tokens = None
         while len(self.page_keys) < num_pages:
@@ -141,7 +144,7 @@ class Request:
             page = tokens[start:start + page_size]
             if len(page) < page_size or min(page) < 0:
                 break
-            parent = self.page_keys[-1] if self.page_keys else ROOT_HASH
+            parent = self.page_keys[-1] if self.page_keys else root_key(self.adapter_id)
             self.page_keys.append(page_hash(parent, page))
         return self.page_keys[:num_pages]
 

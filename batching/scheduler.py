@@ -37,6 +37,12 @@ them in once computed. A request whose constraint ends it at the fill (the rare 
 goes on but whose next bytes no token spells) has then been planned once more; its row's
 results are dropped, as an aborted request's are.
 
+LoRA adapters (`max_loras` > 0): a request with an adapter (`Request.adapter_id`) pins a device
+slot of it while it runs (`batching/adapters.py`), taken on admission and let go on preemption
+or finish. A request whose adapter finds no slot (all pinned by other adapters' running
+requests) waits, and admission passes over it to the requests behind it (`can_hold_adapter`);
+the plan lists the slots given to adapters that the device must load first (`adapter_loads`).
+
 Data parallelism (`num_replicas` > 1): every replica has its own page pool (and prefix cache),
 seats, and token budget, each sized as one replica's `num_pages`, `max_num_seqs` and
 `max_num_batched_tokens`. The waiting queue is shared; the policy places a request on a replica
@@ -55,6 +61,7 @@ from typing import Sequence
 
 import numpy as np
 
+from meshserve.batching.adapters import AdapterSlots
 from meshserve.batching.continuous import ContinuousPolicy
 from meshserve.batching.knobs import POLICY_NAMES, SchedulerConfig
 from meshserve.batching.length import LengthPredictor, PriorPredictor, extract_features
@@ -98,7 +105,7 @@ class KVUsage:
 class Scheduler:
     """Engine API: add, schedule, update, finish, abort, and the counters. A policy uses the
     `Primitives` (reads: running_on, replica_load, waiting_order, cached_prefix,
-    preemption_cost; moves: admit, reserve_pages, preempt)."""
+    can_hold_adapter, preemption_cost; moves: admit, reserve_pages, preempt)."""
 
     def __init__(self, config: SchedulerConfig, predictor: LengthPredictor | None = None, *,
                  fill_masks: MaskFiller = fill_each, defers_masks: bool = False):
@@ -126,6 +133,7 @@ class Scheduler:
         self.num_constraint_advances = 0  # tokens the matchers took
         self.num_constraint_batches = 0  # steps (pipeline calls) in which some matcher took one
         self.num_window_freed_pages = 0  # pages given back behind a sliding window, in all
+        self.adapter_slots = AdapterSlots(config.max_loras)
         self._policy: Policy = _POLICIES[config.policy](config, self.ordering)
 
     @property
@@ -181,12 +189,14 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         self.num_steps += 1
-        return build_plan(self._policy.pick_rows(self), page_size=self.config.page_size,
+        plan = build_plan(self._policy.pick_rows(self), page_size=self.config.page_size,
                           eos_token_ids=self.config.eos_token_ids,
                           num_replicas=self.config.num_replicas,
                           token_buckets=(self.config.token_buckets
                                          if self._policy.splits_prefill_by_bucket else None),
                           lockstep=self._policy.is_lockstep)
+        loads = self.adapter_slots.take_loads()
+        return dataclasses.replace(plan, adapter_loads=loads) if loads else plan
 
     def update(self, plan: StepPlan, tokens: Sequence[np.ndarray]) -> list[Request]:
         """Applies a step's sampled tokens (one [B] array per sub-batch).
@@ -231,6 +241,7 @@ class Scheduler:
         queue = self.waiting if request.status is RequestStatus.WAITING else self.running
         queue.remove(request)
         self._release_pages(request)
+        self._release_adapter(request)
         request.status, request.finish_reason = status, status.finish_reason
         request.stop_reason = stop_reason
         self._observe_length(request)
@@ -368,6 +379,11 @@ class Scheduler:
         keys = request.keys_of_pages(num_pages, self.config.page_size)
         return self.allocators[request.replica].lookup(keys)
 
+    def can_hold_adapter(self, request: Request) -> bool:
+        """Whether the request's LoRA adapter has a device slot for it now (always, without
+        one): the slot that holds it, or one that no running request pins."""
+        return request.adapter_id == 0 or self.adapter_slots.can_acquire(request.adapter_id)
+
     def preemption_cost(self, request: Request) -> float:
         """Computed tokens a preemption would throw away per page it frees (inf if none)."""
         allocator = self.allocators[request.replica]
@@ -386,6 +402,9 @@ class Scheduler:
         num_left = allocator.num_available - allocator.num_cached_among(cached_pages) - num_missing
         if num_left < max(headroom, 0):
             return False
+        if request.adapter_id:
+            assert self.can_hold_adapter(request), "a policy admits only what can_hold_adapter"
+            request.adapter_slot = self.adapter_slots.acquire(request.adapter_id)
         allocator.share(cached_pages)
         request.pages = cached_pages + allocator.allocate(num_missing)
         request.num_computed_tokens = num_cached
@@ -423,6 +442,7 @@ class Scheduler:
         """Sends a running request back to the front of the queue, freeing all its pages."""
         self.running.remove(request)
         self._release_pages(request)
+        self._release_adapter(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
@@ -437,6 +457,13 @@ class Scheduler:
         request.pages = []
         request.num_registered_pages = 0
         request.num_released_pages = 0
+
+    def _release_adapter(self, request: Request) -> None:
+        """Unpins the request's adapter slot, if it holds one; it keeps its adapter id, so a
+        preempted request takes a slot of the same adapter again."""
+        if request.adapter_slot:
+            self.adapter_slots.release(request.adapter_slot)
+            request.adapter_slot = 0
 
     def _release_behind_window(self, request: Request) -> None:
         """Frees the request's pages wholly behind the window of its next token (at position
@@ -481,6 +508,9 @@ class Scheduler:
 
     def _check_fits(self, request: Request) -> None:
         c, rid = self.config, request.request_id
+        if request.adapter_id and not c.max_loras:
+            raise ValueError(f"request {rid!r} names a LoRA adapter, but this scheduler serves "
+                             "none (max_loras is 0)")
         if request.num_prompt_tokens == 0:
             raise ValueError(f"request {rid!r} has an empty prompt; send at least one token")
         total = request.num_prompt_tokens + request.params.max_tokens

@@ -62,7 +62,8 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from meshserve.batching.buckets import pick_bucket
 from meshserve.batching.pages import num_pages_for
-from meshserve.batching.plan import Row, StepPlan, sampling_arrays, sub_batch_from_rows
+from meshserve.batching.plan import (Row, StepPlan, adapter_slots, sampling_arrays,
+                                     sub_batch_from_rows)
 from meshserve.batching.request import Request, RequestStatus
 from meshserve.batching.sampling import SamplingArrays, concat_sampling, take_rows
 
@@ -439,6 +440,8 @@ class Speculator:
         if config.num_replicas > 1:
             replicas = [d.request.replica for d in drafted for _ in d.drafts]
             batch = dataclasses.replace(batch, replicas=np.array(replicas, np.int32))
+        batch = dataclasses.replace(batch, adapter_slots=adapter_slots(
+            [d.request for d in drafted for _ in d.drafts]))
         sampling = concat_sampling([draft_sampling(d.request, d.drafts, config.eos_token_ids)
                                     for d in drafted])
         ids = tuple(d.request.request_id for d in drafted for _ in d.drafts)

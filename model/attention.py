@@ -185,6 +185,8 @@ class RaggedBatch:
     last        [S]     slot of each sequence's last real token (its logits are sampled)
     page_table  [S, M]  pages of each sequence; entries past its length are 0 (the dummy)
     targets     [T]     next-token ids whose logprobs to return, or None (prompt logprobs)
+    adapters    [T]     LoRA adapter slot of each token (0: the base model), or None for a
+                        model served without LoRA (`meshserve.model.lora`)
     """
 
     tokens: jax.Array
@@ -197,6 +199,7 @@ class RaggedBatch:
     last: jax.Array
     page_table: jax.Array
     targets: jax.Array | None = None
+    adapters: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, int]:

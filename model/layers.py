@@ -58,7 +58,9 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], 
 class Dense(nnx.Module):
     """A weight applied by one einsum, with an optional bias over the output axes. The kernel is
     a float `nnx.Param` or a `QuantizedKernel` (`meshserve.model.quantized_kernel`); either reads
-    the same."""
+    the same. A model served with LoRA gives its targeted projections a `lora` slab
+    (`meshserve.model.lora`), whose delta for each token's own adapter is added to the output
+    when the step selects adapters (`adapters`, one-hot [N, S])."""
 
     def __init__(self, spec: str, shape: tuple[int, ...], axes: tuple[str, ...], *,
                  bias_dims: int = 0, dtype: str, rngs: nnx.Rngs, stack: tuple[int, ...] = (),
@@ -67,14 +69,17 @@ class Dense(nnx.Module):
         self.kernel = param(rngs, shape, axes, dtype=dtype, init=init, stack=stack)
         self.bias = param(rngs, shape[-bias_dims:], axes[-bias_dims:], dtype=dtype,
                           init=constant_init(0.0), stack=stack) if bias_dims else None
+        self.lora = nnx.data(None)  # a `LoraSlab`, set by `meshserve.model.lora.with_lora`
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, adapters: jax.Array | None = None) -> jax.Array:
         if isinstance(self.kernel, QuantizedKernel):
             y = quantized_matmul(self.spec, x, self.kernel)
         else:
             y = _flat_matmul(self.spec, x, self.kernel[...])
         if self.bias is not None:
             y = y + self.bias[...]
+        if self.lora is not None and adapters is not None:
+            y = y + self.lora(x, adapters).astype(y.dtype)
         return y
 
 

@@ -89,7 +89,8 @@ class MoeMLP(nnx.Module):
             if c.moe.shared_expert_size else None
         self.split: ExpertSplit | None = None  # set by meshserve.sharding.experts
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, adapters: jax.Array | None = None) -> jax.Array:
+        del adapters  # LoRA adapters of a mixture modify its attention only
         logits = self.router(x).astype(jnp.float32)  # [N, E]
         weights, chosen = route(logits, self.moe.experts_per_token, self.moe.renormalize)
         y = routed_experts(x, chosen, weights, *self.experts.stacks(), self.split)

@@ -50,14 +50,14 @@ class LlamaAttention(nnx.Module):
         self.q_norm = RMSNorm(h, **norm) if c.qk_norm else None
         self.k_norm = RMSNorm(h, **norm) if c.qk_norm else None
 
-    def __call__(self, x, ctx, layer, rope, sliding):
-        q, k = self.q(x), self.k(x)  # [N, H, h], [N, K, h]
+    def __call__(self, x, ctx, layer, rope, sliding, adapters=None):
+        q, k = self.q(x, adapters), self.k(x, adapters)  # [N, H, h], [N, K, h]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = layer_rope(rope, sliding)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out, ctx = ctx.attend(q, k, self.v(x), layer, self.spec(sliding))
-        return self.o(out), ctx
+        out, ctx = ctx.attend(q, k, self.v(x, adapters), layer, self.spec(sliding))
+        return self.o(out, adapters), ctx
 
     def spec(self, sliding) -> AttentionSpec:
         c = self.config
@@ -87,8 +87,9 @@ class GatedMLP(nnx.Module):
         self.up = Dense("nd,df->nf", (d, f), ("embed", "ffw"), **kw)
         self.down = Dense("nf,fd->nd", (f, d), ("ffw", "embed"), **kw)
 
-    def __call__(self, x):
-        return self.down(ACTIVATIONS[self.activation](self.gate(x)) * self.up(x))
+    def __call__(self, x, adapters=None):
+        gated = ACTIVATIONS[self.activation](self.gate(x, adapters)) * self.up(x, adapters)
+        return self.down(gated, adapters)
 
 
 class LlamaBlock(nnx.Module):
@@ -105,10 +106,12 @@ class LlamaBlock(nnx.Module):
         self.mlp = mlp(c, rngs=rngs, stack=stack)
         self.post_mlp_norm = RMSNorm(c.hidden_size, **norm) if c.sandwich_norms else None
 
-    def __call__(self, x, ctx, layer, rope, sliding):
-        h, ctx = self.attn(self.attn_norm(x), ctx, layer, rope, sliding)
+    def __call__(self, x, ctx, layer, rope, sliding, adapters=None):
+        """`adapters`: each token's LoRA adapter, one-hot [N, S] (`meshserve.model.lora`), or
+        None for the base model alone."""
+        h, ctx = self.attn(self.attn_norm(x), ctx, layer, rope, sliding, adapters)
         x = x + _normed(self.post_attn_norm, h)
-        return x + _normed(self.post_mlp_norm, self.mlp(self.mlp_norm(x))), ctx
+        return x + _normed(self.post_mlp_norm, self.mlp(self.mlp_norm(x), adapters)), ctx
 
 
 def _normed(norm: RMSNorm | None, x: jax.Array) -> jax.Array:
@@ -150,7 +153,8 @@ class GPT2Block(nnx.Module):
         self.mlp_norm = LayerNorm(c.hidden_size, **norm)
         self.mlp = GeluMLP(c, rngs=rngs, stack=stack)
 
-    def __call__(self, x, ctx, layer, rope, sliding):
+    def __call__(self, x, ctx, layer, rope, sliding, adapters=None):
+        assert adapters is None, "LoRA serves the llama architecture only"
         h, ctx = self.attn(self.attn_norm(x), ctx, layer, rope, sliding)
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), ctx
@@ -239,13 +243,15 @@ def run_layers(model, tokens: jax.Array, positions: jax.Array, ctx, constrain=No
 
 
 def apply_layers(model, x: jax.Array, positions: jax.Array, ctx, constrain=None,
-                 sliding: jax.Array | None = None):
+                 sliding: jax.Array | None = None, adapters: jax.Array | None = None):
     """Applies every layer of `model` to the residual stream x [N, D]. -> (hidden [N, D], ctx).
 
     The stacked layers run under one `lax.scan`. A pipeline stage passes a model holding only its
     own layers: layer ids (which index the KV cache) are then local to the stage, and `sliding`
     [num_layers] bool says which of them slide (`stage_sliding_flags`); by default the model's
-    own layers' flags.
+    own layers' flags. `adapters`, each token's LoRA adapter as a one-hot [N, S]
+    (`meshserve.model.lora.token_selection`), reaches every layer's projections; their slabs are
+    layer weights, so the scan slices them like the rest.
     """
     constrain = constrain or (lambda x, axes: x)
     rope = model.position_tables(positions)
@@ -254,7 +260,7 @@ def apply_layers(model, x: jax.Array, positions: jax.Array, ctx, constrain=None,
     def one_layer(carry, xs):
         x, ctx = carry
         params, layer, sliding = xs
-        x, ctx = nnx.merge(graphdef, params)(x, ctx, layer, rope, sliding)
+        x, ctx = nnx.merge(graphdef, params)(x, ctx, layer, rope, sliding, adapters)
         return (constrain(x, RESIDUAL_AXES), ctx), None
 
     num_layers = jax.tree.leaves(layer_params)[0].shape[0]

@@ -1,8 +1,9 @@
 """From a mesh and the rules table to the `DeviceLayout` that the model runner applies.
 
 `prepare(model, mesh_config)` is the one entry point the engine uses: it checks the mesh against
-the model, pads heads when `model` does not divide them and layers when `stage` does not, builds
-the mesh, splits a mixture's experts (`meshserve.sharding.experts`), and derives every
+the model, pads heads when `model` does not divide them and layers when `stage` does not, adds
+the LoRA slabs when the engine serves adapters, builds the mesh, splits a mixture's experts
+(`meshserve.sharding.experts`), and derives every
 sharding (weights, KV pages, per-row step arrays, activations) from the weights' logical axes and
 `DEFAULT_RULES`.
 """
@@ -18,6 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshserve.model.executor.device_layout import DeviceLayout
+from meshserve.model.lora import LoraShape, with_lora
 from meshserve.sharding.experts import split_experts
 from meshserve.sharding.head_padding import pad_heads
 from meshserve.sharding.mesh import MeshConfig
@@ -34,10 +36,18 @@ class Prepared:
 
 def prepare(model: nnx.Module, mesh_config: MeshConfig | str | None = None, *,
             rules: ShardingRules = DEFAULT_RULES,
-            devices: Sequence[jax.Device] | None = None) -> Prepared:
+            devices: Sequence[jax.Device] | None = None,
+            lora: LoraShape | None = None) -> Prepared:
+    """`lora`, when given, adds the LoRA slabs (`meshserve.model.lora.with_lora`) to the padded
+    model, so their shardings follow from the rules like every weight's."""
     mesh_config = MeshConfig.coerce(mesh_config)
     mesh_config.check_model(model.config)
     model = pad_layers(pad_heads(model, mesh_config.model), mesh_config.stage)
+    if lora is not None:
+        if mesh_config.stage > 1:
+            raise ValueError(f"enable_lora is not supported with pipeline stages (mesh "
+                             f"{mesh_config}): use the data and model axes")
+        model = with_lora(model, lora)
     mesh = mesh_config.make_mesh(devices)
     model = split_experts(model, mesh, rules)
     layout = device_layout(model, mesh, rules)

@@ -15,6 +15,9 @@ cache, the per-row step arrays and the activations have theirs here. A strategy 
     embed, head_dim, positions, qkv, page_slot, tokens   replicated
     expert_ffw, router                                   replicated (experts are whole; the
                                                          router is small and every device routes)
+    lora_slots, lora_rank                                replicated: a LoRA slab's A and B split
+                                                         only on the axes of the kernel they
+                                                         modify (`meshserve.model.lora`)
 
 This is Megatron tensor parallelism: XLA inserts one all-reduce after o and one after down in each
 layer, plus the vocabulary collectives of the embedding lookup and the sampler; no weight is ever
@@ -110,4 +113,6 @@ DEFAULT_RULES = ShardingRules({
     "qkv": None,
     "page_slot": None,
     "tokens": None,
+    "lora_slots": None,
+    "lora_rank": None,
 })

@@ -25,6 +25,11 @@ Without a layout the step runs on the default device. Knobs that change compiled
 cost a compile each): `max_num_batched_tokens`, `max_num_seqs`, `num_pages`, `page_size`,
 `max_pages_per_seq`, `max_logprobs`, `max_stop_ids`, `attention` and `context_block_pages`.
 
+A model served with LoRA adapters (`meshserve.model.lora`) has their slabs among its weights; every
+step then carries each token's adapter slot (`RaggedBatch.adapters`, 0 for none), and
+`load_adapter` writes an adapter into a slot with one more program, compiled at warm-up. Which
+adapters run changes no shape.
+
 Structured output's mask (`SamplingArrays.allowed`, [S, vocab words] int32) is an operand of every
 program, but a step where no row is constrained neither builds nor copies it: its call key ends in
 0 (`has_mask`), its host arrays hold a zero-width `allowed`, and `run_calls` hands the program a
@@ -57,7 +62,7 @@ import dataclasses
 import functools
 import time
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -76,9 +81,11 @@ from meshserve.model.attention import (ATTENTION_BACKENDS, KVCache, RaggedBatch,
                                        init_kv_cache)
 from meshserve.model.config import ModelConfig
 from meshserve.model.executor.device_layout import DeviceLayout, jit_step, to_devices
+from meshserve.model.executor.lora_slabs import LoraSlabs
 from meshserve.model.executor.sampler import host_sampling
 from meshserve.model.executor.split_step import Forward, SplitPrograms
 from meshserve.model.executor.steps import ragged_step
+from meshserve.model.lora import lora_shape
 
 _COMPILE_EVENT_PREFIX = "/jax/core/compile/"
 _BACKEND_COMPILE_EVENT = _COMPILE_EVENT_PREFIX + "backend_compile_duration"
@@ -230,6 +237,8 @@ class ModelRunner:
         self.num_replicas = layout.num_replicas if layout is not None else 1
         self.graphdef, params = nnx.split(model)
         self.params = params if layout is None else jax.device_put(params, layout.params)
+        self.lora = lora_shape(model)  # the LoRA slabs' sizes; None: served without LoRA
+        self.lora_slabs = None if self.lora is None else LoraSlabs(self.params, layout)
         c = model.config
         init = functools.partial(
             init_kv_cache, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
@@ -277,9 +286,11 @@ class ModelRunner:
     @property
     def num_programs(self) -> int:
         """Programs `warmup()` compiles: a step per bucket key, and where steps split a forward
-        pass per bucket key and a sampler per `RunnerConfig.sampling_rows` entry too."""
+        pass per bucket key and a sampler per `RunnerConfig.sampling_rows` entry too; with LoRA,
+        the slot write."""
         keys = len(self.config.step_keys())
-        return keys + (keys + len(self.config.sampling_rows()) if self.splits_sampling else 0)
+        split = keys + len(self.config.sampling_rows()) if self.splits_sampling else 0
+        return keys + split + (self.lora_slabs is not None)
 
     def padded_tokens(self, sub_batches: Sequence[SubBatchPlan]) -> int:
         """Token slots the step of `sub_batches` computes, on every replica together."""
@@ -437,11 +448,20 @@ class ModelRunner:
         the steps serve, each bucket with and without a mask (their host arrays differ in
         size: a multi-process job warms up a broadcast of each)."""
         keys = self.config.step_keys() if keys is None else list(keys)
+        if self.lora_slabs is not None:
+            self.lora_slabs.compile()
         for key in tqdm(keys, desc="warming up", unit="bucket", disable=not progress):
             self.program(key)
             if self.splits_sampling:
                 self._compile_split(key)
         return [(*key[:2], has_mask) for key in keys for has_mask in (1, 0)]
+
+    def load_adapter(self, slot: int, weights: Mapping[str, tuple[np.ndarray, np.ndarray]]
+                     ) -> None:
+        """Writes a LoRA adapter into row `slot` (1..max_loras) of every slab, in place on the
+        devices (`LoraSlabs.write`): no compile, whatever the slot or adapter."""
+        assert self.lora_slabs is not None, "this runner serves no LoRA adapters"
+        self.lora_slabs.write(slot, weights)
 
     def _flatten(self, sub_batches: Sequence[SubBatchPlan], tokens_per_replica: int,
                  has_targets: int) -> tuple[RaggedBatch, tuple, tuple]:
@@ -455,7 +475,8 @@ class ModelRunner:
                    write_slots=zeros(replicas * num_tokens), kv_lens=zeros(replicas * num_seqs),
                    num_new=zeros(replicas * num_seqs), last=zeros(replicas * num_seqs),
                    page_table=zeros(replicas * num_seqs, width),
-                   targets=zeros(replicas * num_tokens) if has_targets else None)
+                   targets=zeros(replicas * num_tokens) if has_targets else None,
+                   adapters=zeros(replicas * num_tokens) if self.lora is not None else None)
         next_token = [0] * replicas  # local to each replica's block
         next_seq = [0] * replicas
         seq_index, token_index = [], []
@@ -484,6 +505,8 @@ class ModelRunner:
                 out["write_slots"][t:t + n] = pages * page_size + positions % page_size
                 if has_targets and plan.targets is not None:
                     out["targets"][t:t + count] = plan.targets[i, :count]
+                if self.lora is not None and plan.adapter_slots is not None:
+                    out["adapters"][t:t + count] = plan.adapter_slots[i]
                 out["kv_lens"][s] = plan.kv_lens[i]
                 out["num_new"][s] = n
                 out["last"][s] = start + max(n - 1, 0)

@@ -31,6 +31,7 @@ from flax import nnx
 from meshserve.batching.sampling import SamplingArrays
 from meshserve.model.attention import KVCache, RaggedBatch, dense_context, ragged_context
 from meshserve.model.executor.sampler import Sampled, sample
+from meshserve.model.lora import lora_shape, token_selection
 from meshserve.model.transformer import RESIDUAL_AXES, apply_layers, run_layers
 
 
@@ -103,8 +104,18 @@ def ragged_layers(model, x: jax.Array, cache: KVCache, batch: RaggedBatch, *, at
     A pipeline stage passes a model and a cache holding only its own layers, and `sliding`,
     which of them slide (see `meshserve.model.transformer.apply_layers`)."""
     ctx = ragged_context(cache, batch, backend=attention, block_pages=block_pages)
-    hidden, ctx = apply_layers(model, x, batch.positions, ctx, constrain, sliding)
+    hidden, ctx = apply_layers(model, x, batch.positions, ctx, constrain, sliding,
+                               adapters=_adapter_selection(model, batch))
     return hidden, KVCache(k=ctx.k, v=ctx.v)
+
+
+def _adapter_selection(model, batch: RaggedBatch) -> jax.Array | None:
+    """Each token's LoRA adapter as a one-hot [T, S], when the model serves adapters."""
+    if batch.adapters is None:
+        return None
+    shape = lora_shape(model)
+    assert shape is not None, "a step with adapters needs a model with LoRA slabs"
+    return token_selection(batch.adapters, shape.num_slots)
 
 
 def ragged_outputs(model, hidden: jax.Array, batch: RaggedBatch, sampling: SamplingArrays, *,

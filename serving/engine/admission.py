@@ -44,6 +44,7 @@ import dataclasses
 import threading
 from typing import Any, Mapping, Sequence
 
+from meshserve.batching.adapters import LoRARequest
 from meshserve.batching.pages import num_pages_for
 from meshserve.batching.sampling import SamplingParams
 from meshserve.batching.structured import Constraint, mask_words
@@ -103,13 +104,15 @@ class Prompt:
 @dataclasses.dataclass(frozen=True)
 class Admitted:
     """A request that passed every check, ready to queue: its structured-output matcher (if any)
-    already started."""
+    already started. `lora_request`, its LoRA adapter, is checked when it is queued
+    (`Engine.enqueue`), where the engine's adapter registry lives."""
 
     request_id: str
     prompt_ids: list[int]
     prompt_text: str | None
     params: SamplingParams
     constraint: Constraint | None = None
+    lora_request: LoRARequest | None = None
 
 
 class Admission:

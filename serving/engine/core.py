@@ -24,6 +24,12 @@ constraint by the admission's `GrammarCompiler`), which the scheduler advances w
 token and whose mask each plan carries to the device sampler; a step's constrained requests have
 their next masks computed together (`grammar.fill_masks`, the library's parallel fill).
 
+With `enable_lora` a request may run with a LoRA adapter (`lora_request`): the registry reads
+and checks it at the door (`serving/engine/adapter_registry.py`), the scheduler gives it a
+device slot on admission, and the step first writes the adapters newly given slots into the
+runner's slabs (`StepPlan.adapter_loads`); each token of the step then carries its adapter's
+slot.
+
 With a `speculative_config` the engine speculates (`batching/speculative.py`): between schedule
 and execute the `Speculator` adds drafted tokens to the plan as extra rows, and the step's
 results are applied as rounds of one token per request, each an ordinary update, so every stop,
@@ -49,6 +55,7 @@ from typing import Sequence
 
 import numpy as np
 
+from meshserve.batching.adapters import LoRARequest
 from meshserve.batching.pipeline_schedule import PLACEHOLDER, PipelineSchedule, build_schedule
 from meshserve.batching.plan import StepPlan
 from meshserve.batching.request import Request, constrained_stop, stop_status_at
@@ -63,7 +70,8 @@ from meshserve.model.executor.pipeline_runner import PipelineRunner
 from meshserve.model.quantized_weights import quantize_model
 from meshserve.model.tokenizer import Tokenizer
 from meshserve.model.transformer import for_context
-from meshserve.serving.engine.admission import Admission, Admitted, Prompt
+from meshserve.serving.engine.adapter_registry import AdapterRegistry
+from meshserve.serving.engine.admission import Admission, AdmissionError, Admitted, Prompt
 from meshserve.serving.engine.engine_config import EngineConfig
 from meshserve.serving.engine.grammar import fill_masks
 from meshserve.serving.engine.multihost import payload_sizes
@@ -103,6 +111,15 @@ class Engine:
         self._ids = itertools.count()
         # Speculative decoding (`batching/speculative.py`): drafts as extra rows of the step.
         self.speculator = make_speculator(config, runner)
+        # LoRA adapters (`serving/engine/adapter_registry.py`): read at the door, loaded into the
+        # runner's slots as the scheduler gives them out.
+        self.adapters = None if not config.enable_lora else AdapterRegistry(
+            self.model_config, max_rank=config.max_lora_rank,
+            max_cpu_loras=config.max_cpu_loras, in_use=self._adapters_in_use,
+            head_multiple=config.mesh_config.model)
+        if self.adapters is not None and getattr(runner, "lora", None) is None:
+            raise ValueError("enable_lora needs a runner with LoRA slabs (Engine.from_model "
+                             "builds one)")
         self.stats = EngineStats()
         if config.compilation_cache:
             enable_compilation_cache(cache_root(None) / "xla")
@@ -126,7 +143,7 @@ class Engine:
         model = for_context(model, settled.max_model_len)  # LongRoPE's factors
         model = quantize_model(model, settled.quantization)  # kernels loaded quantized stay
         if runner is None:
-            prepared = prepare(model, settled.mesh_config)
+            prepared = prepare(model, settled.mesh_config, lora=settled.lora_shape())
             model = prepared.model
             runner = (PipelineRunner(model, settled.runner_config(), prepared.layout,
                                      settled.unit_shape()) if settled.mesh_config.stage > 1
@@ -158,27 +175,59 @@ class Engine:
                   f"compilation cache)", file=sys.stderr, flush=True)
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                    request_id: str | None = None, priority: int = 0) -> str:
+                    request_id: str | None = None, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> str:
         """Checks a request (`self.admission`) and queues it; raises `AdmissionError` (a
-        ValueError), naming the field and what to change, if it can never run."""
+        ValueError), naming the field and what to change, if it can never run. `lora_request`
+        runs it with that LoRA adapter (the engine needs `enable_lora`)."""
         if request_id is None:
             request_id = str(next(self._ids))
         admitted = self.admission.admit(Prompt.of(prompt), params or SamplingParams(),
                                         request_id=request_id)
-        return self.enqueue(admitted, priority=priority)
+        return self.enqueue(admitted, priority=priority, lora_request=lora_request)
 
-    def enqueue(self, admitted: Admitted, *, priority: int = 0) -> str:
-        """Queues a request the admission check passed, checking nothing again; a request id
-        already in use is a ValueError."""
+    def enqueue(self, admitted: Admitted, *, priority: int = 0,
+                lora_request: LoRARequest | None = None) -> str:
+        """Queues a request the admission check passed, checking nothing again but its LoRA
+        adapter (`lora_request`, else `admitted.lora_request`: read and checked on first use,
+        `AdapterRegistry.resolve`); a request id already in use is a ValueError."""
         request_id = admitted.request_id
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        adapter_id = self._adapter_id(lora_request or admitted.lora_request)
         request = Request(request_id=request_id, prompt_token_ids=admitted.prompt_ids,
-                          params=admitted.params, priority=priority)
+                          params=admitted.params, priority=priority, adapter_id=adapter_id)
         request.constraint = admitted.constraint
         self.scheduler.add(request)  # its fit check is an invariant here: admission checked it
         self._streams[request_id] = Stream.open(request, admitted.prompt_text, self.tokenizer)
         return request_id
+
+    def _adapter_id(self, lora_request: LoRARequest | None) -> int:
+        """The adapter id a request runs with (0: the base model)."""
+        if lora_request is None:
+            return 0
+        if self.adapters is None:
+            raise AdmissionError("lora_request", "this engine serves no LoRA adapters; start it "
+                                                 "with enable_lora=True")
+        if self.runner.channel is not None:  # the other processes would not load it
+            raise AdmissionError("lora_request", "a multi-process engine serves no LoRA "
+                                                 "adapters yet")
+        try:
+            return self.adapters.resolve(lora_request)
+        except ValueError as err:
+            raise AdmissionError("lora_request", str(err)) from err
+
+    def _adapters_in_use(self) -> set[int]:
+        return {stream.request.adapter_id for stream in self._streams.values()}
+
+    def _load_adapters(self, plan: StepPlan) -> None:
+        """Writes the adapters the scheduler gave slots to into the runner's slabs, before the
+        step that first reads them; a compile here would count as one after warm-up."""
+        with CompileCounter() as compiles:
+            for slot, adapter_id in plan.adapter_loads:
+                self.runner.load_adapter(slot, self.adapters.weights(adapter_id).weights)
+        self.stats.compiles_after_warmup += compiles.count
+        self.stats.num_adapter_loads += len(plan.adapter_loads)
 
     def step(self) -> list[RequestOutput]:
         """Runs one step (one pipeline call, of up to `pipeline_rounds` steps, when the mesh has
@@ -187,6 +236,8 @@ class Engine:
         if self.is_pipelined:
             return self._pipeline_step()
         plan = self.scheduler.schedule()
+        if plan.adapter_loads:
+            self._load_adapters(plan)
         overlaps = self.scheduler.has_due_masks and _has_constrained(plan)
         ended = [] if overlaps else self._fill_due_masks()  # of rows this plan does not sample
         if plan.is_empty:
@@ -252,13 +303,14 @@ class Engine:
     def _claim_runner(self) -> None:
         """Engines that share a runner share its KV cache, one engine at a time: when another
         engine has run since this one did, the pages this one's prefix cache points at hold the
-        other's tokens, so that cache is dropped."""
+        other's tokens, so that cache is dropped; so is what its LoRA slots held."""
         last = self.runner.last_user
         if last is not None and last is not self:
             if self.scheduler.num_running:
                 raise RuntimeError("another engine ran on this engine's shared runner while it "
                                    "had requests running: their KV pages were overwritten")
             self.scheduler.forget_prefixes()
+            self.scheduler.adapter_slots.forget()
         self.runner.last_user = self
 
     def abort(self, request_id: str) -> bool:
@@ -379,6 +431,7 @@ class EngineStats:
     warmup_compiles: int = 0  # programs compiled (or loaded from the cache) at warm-up
     warmup_seconds: float = 0.0
     compiles_after_warmup: int = 0
+    num_adapter_loads: int = 0  # LoRA adapters written into device slots
     step_seconds: float = 0.0  # in `runner.execute`, host preparation included
     device_wait_seconds: float = 0.0  # of which waiting for the device once all was dispatched
     prefill_tokens: int = 0

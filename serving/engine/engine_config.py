@@ -10,9 +10,11 @@ its help text and whether it costs a compile; the command line is generated from
 
 Knobs that change compiled shapes (and so cost a recompile): `mesh`, `quantization`,
 `num_pages`, `page_size`, `max_num_seqs`, `max_num_batched_tokens`, `prefill_chunk`,
-`max_model_len`, `max_logprobs`, `attention`, `overlap_masks` (adds programs) and
-`pipeline_rounds`. The rest are host policy, `speculative_config` included (drafts are rows of
-the ragged step: `batching/speculative.py`).
+`max_model_len`, `max_logprobs`, `attention`, `overlap_masks` (adds programs),
+`pipeline_rounds`, and `enable_lora` with `max_loras` and `max_lora_rank` (the adapter slabs'
+shapes; which adapters run never compiles anything). The rest are host policy,
+`speculative_config` included (drafts are rows of the ragged step: `batching/speculative.py`)
+and `max_cpu_loras`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from meshserve.batching.pipeline_schedule import UnitShape
 from meshserve.batching.speculative import SpeculativeConfig
 from meshserve.batching.structured import BOUNDS, check_bound
 from meshserve.model.length_predictor import LearnedPredictor
+from meshserve.model.lora import LoraShape
 from meshserve.model.quant_formats import SCHEMES
 from meshserve.model.executor.runner import RunnerConfig
 from meshserve.sharding.mesh import MeshConfig
@@ -75,6 +78,15 @@ class EngineConfig(SchedulingKnobs):
               "a step where more rows sample (default 4); unset: off. Drafts are rows of the "
               "ragged step: no program is added (a draft model compiles its own)",
         metavar="JSON")
+    enable_lora: bool = knob(False, "serve LoRA adapters, which requests name (lora_request): "
+                                    "every step computes the adapters' deltas for its tokens",
+                             compile=True)
+    max_loras: int = knob(1, "enable_lora: adapters one step can mix (their slots on the "
+                             "device)", compile=True)
+    max_lora_rank: int = knob(16, "enable_lora: the largest adapter rank served; smaller ranks "
+                                  "are padded to it", compile=True)
+    max_cpu_loras: int | None = knob(None, "enable_lora: adapters kept read in host memory, "
+                                           "least recently used out; unset: max_loras")
     warmup: bool = knob(True, "compile every bucket at start")
     compilation_cache: bool = knob(True, "keep compiled programs in <cache dir>/xla across runs "
                                          "(process-wide: once on, on for every engine)")
@@ -95,6 +107,33 @@ class EngineConfig(SchedulingKnobs):
             raise ValueError("native_kernels runs on one CPU device; it does not split over a "
                              f"mesh ({self.mesh})")
         self._check_speculation()
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        """The LoRA knobs' sizes, and the combinations that cannot serve adapters, by name."""
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.max_cpu_loras is None:
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)
+        if isinstance(self.max_cpu_loras, bool) or not isinstance(self.max_cpu_loras, int) \
+                or self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras must be an int >= max_loras ({self.max_loras}), "
+                             f"got {self.max_cpu_loras!r}")
+        if not self.enable_lora:
+            return
+        if self.mesh_config.stage > 1:
+            raise ValueError(f"enable_lora is not supported with pipeline stages (mesh "
+                             f"{self.mesh}): use the data and model axes")
+        if self.policy != "continuous":
+            raise ValueError(f"enable_lora needs policy 'continuous', not {self.policy!r}")
+
+    def lora_shape(self) -> LoraShape | None:
+        """The LoRA slabs' sizes, or None without `enable_lora`."""
+        if not self.enable_lora:
+            return None
+        return LoraShape(num_slots=self.max_loras, max_rank=self.max_lora_rank)
 
     def _check_speculation(self) -> None:
         """The speculative config parsed (a dict, JSON text or a `SpeculativeConfig`), and the
@@ -174,7 +213,8 @@ class EngineConfig(SchedulingKnobs):
         freed)."""
         knobs = {f.name: getattr(self, f.name) for f in dataclasses.fields(SchedulingKnobs)}
         return SchedulerConfig(**knobs, **self._chunking(), eos_token_ids=tuple(eos_token_ids),
-                               num_replicas=num_replicas, attention_window=attention_window)
+                               num_replicas=num_replicas, attention_window=attention_window,
+                               max_loras=self.max_loras if self.enable_lora else 0)
 
     def _chunking(self) -> dict[str, Any]:
         """How the scheduler cuts prefill chunks for this engine's runner. The ragged step pads

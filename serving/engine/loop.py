@@ -312,7 +312,7 @@ class EngineLoop:
             return  # cancelled before it reached the engine
         try:
             self.engine.enqueue(sub.admitted, priority=sub.priority)
-        except ValueError as err:  # an engine invariant: admission has checked the request
+        except ValueError as err:  # its LoRA adapter (admission checked the rest)
             self.metrics.observe_rejected("invalid")
             self._finish(sub, Failed("invalid", str(err)))
 

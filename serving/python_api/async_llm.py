@@ -16,9 +16,11 @@ aborts it at the next engine step, which frees its pages.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any, AsyncIterator, Sequence
 
+from meshserve.batching.adapters import LoRARequest
 from meshserve.batching.sampling import SamplingParams
 from meshserve.serving.engine.admission import Prompt
 from meshserve.serving.engine.core import Engine
@@ -61,10 +63,12 @@ class AsyncLLM:
         self.loop.serving()
 
     async def generate(self, prompt: PromptInput, params: SamplingParams | None = None, *,
-                       request_id: str | None = None, priority: int = 0) -> RequestOutput:
+                       request_id: str | None = None, priority: int = 0,
+                       lora_request: LoRARequest | None = None) -> RequestOutput:
         """The finished output."""
         last = None
-        async for last in self.stream(prompt, params, request_id=request_id, priority=priority):
+        async for last in self.stream(prompt, params, request_id=request_id, priority=priority,
+                                      lora_request=lora_request):
             pass
         return last
 
@@ -73,11 +77,13 @@ class AsyncLLM:
         return await self.generate(messages, params, **kwargs)
 
     async def stream(self, prompt: PromptInput, params: SamplingParams | None = None, *,
-                     request_id: str | None = None, priority: int = 0
-                     ) -> AsyncIterator[RequestOutput]:
+                     request_id: str | None = None, priority: int = 0,
+                     lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Partial outputs as tokens arrive (each holds everything so far), the last one
-        finished (finish_reason "abort" if it was cancelled another way)."""
-        sub = self._submit(prompt, params or SamplingParams(), request_id, priority)
+        finished (finish_reason "abort" if it was cancelled another way). `lora_request` runs
+        it with that LoRA adapter (`enable_lora`); a bad adapter raises ValueError."""
+        sub = self._submit(prompt, params or SamplingParams(), request_id, priority,
+                           lora_request)
         done = False
         try:
             async for item in sub.items():
@@ -95,12 +101,16 @@ class AsyncLLM:
                 self.loop.cancel(sub.request_id)
 
     def _submit(self, prompt: PromptInput, params: SamplingParams, request_id: str | None,
-                priority: int):
+                priority: int, lora_request: LoRARequest | None = None):
         """Checks the request (`EngineLoop.admission`: an AdmissionError, a ValueError, names
-        the field) and queues it."""
+        the field) and queues it; the engine checks its adapter when it takes it."""
         self.loop.check_open()
+        if lora_request is not None and self.engine.adapters is None:
+            raise ValueError("lora_request: this engine serves no LoRA adapters; start it with "
+                             "enable_lora=True")
         admitted = self.loop.admission.admit(Prompt.of(prompt), params,
                                              request_id=request_id or f"async-{next(self._ids)}")
+        admitted = dataclasses.replace(admitted, lora_request=lora_request)
         return self.loop.submit(admitted, priority=priority)
 
     def shutdown(self, drain_timeout: float = 0.0) -> None:

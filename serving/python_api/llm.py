@@ -12,6 +12,10 @@
     llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4,
                                   "prompt_lookup_max": 4, "prompt_lookup_min": 2})
 
+    llm = LLM(model=..., enable_lora=True, max_loras=2, max_lora_rank=16)
+    sql = LoRARequest("sql", 1, "/path/to/peft/adapter")   # meshserve.LoRARequest
+    outputs = llm.generate(prompts, params, lora_request=sql)          # or one per prompt
+
 Keyword arguments other than `dtype`, `seed` and `cluster` are `EngineConfig` fields. Weights are
 read one tensor at a time and go to the mesh's devices already split
 (`meshserve.sharding.sharded_loading`).
@@ -35,6 +39,7 @@ from typing import Any, Iterator, Sequence
 from tqdm.auto import tqdm
 
 from meshserve.batching import wire
+from meshserve.batching.adapters import LoRARequest
 from meshserve.batching.sampling import SamplingParams
 from meshserve.model import native_dot
 from meshserve.serving.engine import multihost
@@ -60,6 +65,9 @@ class LLM:
         self.cluster = multihost.current()
         if self.cluster is not None:
             multihost.check_mesh(config.mesh_config)
+            if config.enable_lora:
+                raise ValueError("enable_lora runs on one process; a multi-process job does "
+                                 "not serve LoRA adapters yet")
         # settled before loading: with native kernels the CPU keeps blocks the head reads
         config = dataclasses.replace(config, native_kernels=native_dot.resolve(
             config.native_kernels, num_devices=config.mesh_config.num_devices))
@@ -77,13 +85,18 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """`lora_request`: one LoRA adapter for every prompt, or one per prompt (None: the base
+        model); the engine needs `enable_lora`."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
+        adapters = _as_lora_list(lora_request, len(prompts))
         ids: list[str] = []
         try:
-            for prompt, sp in zip(prompts, params):
-                ids.append(self.engine.add_request(prompt, sp))
+            for prompt, sp, adapter in zip(prompts, params, adapters):
+                ids.append(self.engine.add_request(prompt, sp, lora_request=adapter))
         except ValueError:
             for request_id in ids:  # all or nothing: no earlier prompt stays queued
                 self.engine.abort(request_id)
@@ -99,15 +112,15 @@ class LLM:
             return outputs
         return self._follow_call(ids, digest)
 
-    def generate_stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None
-                        ) -> Iterator[RequestOutput]:
+    def generate_stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
+                        lora_request: LoRARequest | None = None) -> Iterator[RequestOutput]:
         """One prompt's partial `RequestOutput`s as its tokens arrive (each holds everything so
         far), the last one finished. Runs the engine in the caller's thread, like `generate`;
         leaving the loop early aborts the request and frees its pages. For many requests at once
         from asyncio, use `AsyncLLM`."""
         if self.cluster is not None:
             raise ValueError("generate_stream() runs on one process; use generate() on many")
-        request_id = self.engine.add_request(prompt, sampling_params)
+        request_id = self.engine.add_request(prompt, sampling_params, lora_request=lora_request)
         finished = False
         try:
             while not finished:
@@ -147,7 +160,9 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              tools: list[dict] | None = None, tool_choice: str | dict | None = None,
              parallel_tool_calls: bool | None = None,
-             response_format: dict | None = None) -> list[RequestOutput]:
+             response_format: dict | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         """One conversation (a list of messages, as the HTTP API reads them) or several; each
         gets the chat template. `tools`, `tool_choice`, `parallel_tool_calls` and
         `response_format` are the HTTP API's fields, read by the same code: they constrain the
@@ -168,7 +183,7 @@ class LLM:
         params = _as_params_list(sampling_params, len(prompts))
         if structured.output is not None:
             params = [_constrained(sp, structured) for sp in params]
-        outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)
         if structured.tools is not None:
             for out in outputs:
                 completion = out.outputs[0]
@@ -217,6 +232,15 @@ def _constrained(params: SamplingParams, structured: Structured) -> SamplingPara
         raise ValueError(f"sampling_params.structured and {structured.field} each constrain the "
                          "output: give one")
     return dataclasses.replace(params, structured=structured.output)
+
+
+def _as_lora_list(lora_request, count: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    requests = list(lora_request)
+    if len(requests) != count:
+        raise ValueError(f"got {len(requests)} lora_requests for {count} prompts")
+    return requests
 
 
 def _as_params_list(params, count: int) -> list[SamplingParams]:

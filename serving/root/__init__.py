@@ -1,14 +1,15 @@
 """meshserve: LLM inference on JAX/XLA.
 
 The import root. `meshserve.LLM`, `meshserve.AsyncLLM`, `meshserve.SamplingParams`,
-`meshserve.StructuredOutput` and `meshserve.EngineConfig` are loaded on first use, so
-`import meshserve.batching` stays free of jax.
+`meshserve.LoRARequest`, `meshserve.StructuredOutput` and `meshserve.EngineConfig` are loaded on
+first use, so `import meshserve.batching` stays free of jax.
 """
 
 _EXPORTS = {
     "LLM": "meshserve.serving.python_api.llm",
     "AsyncLLM": "meshserve.serving.python_api.async_llm",
     "SamplingParams": "meshserve.batching.sampling",
+    "LoRARequest": "meshserve.batching.adapters",
     "StructuredOutput": "meshserve.batching.structured",
     "EngineConfig": "meshserve.serving.engine.engine_config",
     "RequestOutput": "meshserve.serving.engine.outputs",
