@@ -115,6 +115,57 @@ def load_lora(path: str | Path, config: ModelConfig, *, max_rank: int,
     return LoraAdapter(path=str(directory), rank=rank, scaling=scaling, weights=weights)
 
 
+def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """HF module name -> (in, out) features of its `nn.Linear` in a model of `config`: what
+    lora_A [r, in] and lora_B [out, r] must be."""
+    shapes = expected_shapes(config)
+    found = {}
+    for module, (target, num_inputs) in LORA_MODULES.items():
+        kernel = shapes.get(f"{target}/kernel")
+        if kernel is not None:
+            found[module] = (math.prod(kernel[1:1 + num_inputs]),
+                             math.prod(kernel[1 + num_inputs:]))
+    return found
+
+
+def write_lora(directory: str | Path, config: ModelConfig,
+               weights: Mapping[str, tuple[np.ndarray, np.ndarray]], *, lora_alpha: float
+               ) -> Path:
+    """A PEFT LoRA directory for a model of `config`, as `save_pretrained` writes one: per HF
+    module name, lora_A [L, r, in] and lora_B [L, out, r] (PEFT's orientation, every layer).
+    `load_lora` reads it back, and PEFT's `PeftModel.from_pretrained` loads it."""
+    from safetensors.numpy import save_file
+
+    shapes = module_shapes(config)
+    ranks = {a.shape[1] for a, _ in weights.values()}
+    if len(ranks) != 1:
+        raise ValueError(f"every module needs the same rank, got {sorted(ranks)}")
+    (rank,) = ranks
+    tensors = {}
+    for module, (a, b) in weights.items():
+        if module not in shapes:
+            raise ValueError(f"{config.name} has no {module}; it has {sorted(shapes)}")
+        fan_in, fan_out = shapes[module]
+        if a.shape != (config.num_layers, rank, fan_in) or \
+                b.shape != (config.num_layers, fan_out, rank):
+            raise ValueError(f"{module}: lora_A must be {(config.num_layers, rank, fan_in)} and "
+                             f"lora_B {(config.num_layers, fan_out, rank)}, got {a.shape} and "
+                             f"{b.shape}")
+        parent = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+        for layer in range(config.num_layers):
+            prefix = f"base_model.model.model.layers.{layer}.{parent}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a[layer], np.float32)
+            tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b[layer], np.float32)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / WEIGHTS_FILE))
+    (directory / CONFIG_FILE).write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": lora_alpha,
+        "target_modules": sorted(weights), "bias": "none", "lora_dropout": 0.0,
+        "base_model_name_or_path": config.name}, indent=2) + "\n")
+    return directory
+
+
 def read_adapter_config(directory: Path) -> dict[str, Any]:
     """The checked fields of `adapter_config.json`: a LoRA config using nothing refused."""
     path = directory / CONFIG_FILE

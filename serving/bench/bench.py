@@ -59,8 +59,10 @@ def run_offline(engine: Engine, requests: list[BenchRequest], *,
     with _kv_sampler(engine) as kv, tqdm(total=len(requests), desc="requests", unit="req",
                                          disable=not progress, leave=False) as bar:
         started, started_mono = time.perf_counter(), time.monotonic()
-        for req in requests:
-            engine.add_request(req.prompt_token_ids, req.params())
+        serves_adapters = engine.adapters is not None
+        for req in requests:  # an engine without LoRA serves the request on the base model
+            engine.add_request(req.prompt_token_ids, req.params(),
+                               lora_request=req.lora_request if serves_adapters else None)
         num_output = 0
         while engine.has_unfinished():
             for out in engine.step():
@@ -194,28 +196,44 @@ def _stats_delta(before, after):
 # The continuous engine without drafts, run beside the speculating one (`make_engines`): what
 # speculation gains or costs on the same workload, in the same run.
 NO_SPECULATION = "no-speculation"
+# The continuous engine without LoRA, run beside one serving adapters (`--lora-adapters`): the
+# base model alone, on the same requests.
+BASE_MODEL = "base-model"
 
 
 def engine_configs(config: EngineConfig) -> dict[str, EngineConfig]:
-    """The engines a bench runs, by name: one per policy, warmed. The static baseline never
-    speculates: a `speculative_config` applies to the continuous engine, and then a third,
-    `NO_SPECULATION`, is the continuous policy without it."""
+    """The engines a bench runs, by name: one per policy, warmed. The static baseline neither
+    speculates nor serves adapters: a `speculative_config` applies to the continuous engine, and
+    then a third, `NO_SPECULATION`, is the continuous policy without it; `enable_lora` too, with
+    `BASE_MODEL` as the third."""
+    if config.speculative_config is not None and config.enable_lora:
+        raise ValueError("bench measures speculative decoding or LoRA adapters, one at a time: "
+                         "drop --speculative-config or --lora-adapters")
     configs = {policy: dataclasses.replace(
         config, policy=policy, warmup=True,
-        speculative_config=config.speculative_config if policy == "continuous" else None)
+        speculative_config=config.speculative_config if policy == "continuous" else None,
+        enable_lora=config.enable_lora and policy == "continuous")
         for policy in POLICY_NAMES}
     if config.speculative_config is not None:
         configs[NO_SPECULATION] = dataclasses.replace(configs["continuous"],
                                                       speculative_config=None)
+    if config.enable_lora:
+        configs[BASE_MODEL] = dataclasses.replace(configs["continuous"], enable_lora=False)
     return configs
 
 
 def make_engines(model, config: EngineConfig) -> dict[str, Engine]:
-    """`engine_configs`' engines, sharing one runner (one compiled set)."""
-    engines, runner = {}, None
+    """`engine_configs`' engines; those of the same runner config share one runner (one
+    compiled set: the LoRA engine's programs take the adapters, the others' do not)."""
+    engines, runners = {}, []
     for name, settings in engine_configs(config).items():
+        wanted = settings.for_model(model.config).runner_config()
+        runner = next((r for r in runners if r.config == wanted
+                       and (r.lora is not None) == settings.enable_lora), None)
         engine = Engine.from_model(model, None, settings, runner=runner)
-        engines[name], runner = engine, engine.runner
+        engines[name] = engine
+        if runner is None:
+            runners.append(engine.runner)
     return engines
 
 
@@ -236,6 +254,9 @@ def compare_policies(model, config: EngineConfig, requests: list[BenchRequest], 
     if NO_SPECULATION in results:
         results["ratio_speculation_output_tokens_per_s"] = (
             c["output_tokens_per_s"] / results[NO_SPECULATION]["output_tokens_per_s"])
+    if BASE_MODEL in results:
+        results["ratio_lora_output_tokens_per_s"] = (
+            c["output_tokens_per_s"] / results[BASE_MODEL]["output_tokens_per_s"])
     return results
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +15,8 @@ from meshserve.batching.knobs import ORDERINGS
 from meshserve.model.loading.hub import resolve_model
 from meshserve.model.quantized_weights import weight_bytes
 from meshserve.serving import options
-from meshserve.serving.bench import (bench, latency, memory, repeats, result_files,
-                                     structured_cost, workloads)
+from meshserve.serving.bench import (bench, latency, lora_adapters, memory, repeats,
+                                     result_files, structured_cost, workloads)
 from meshserve.serving.python_api.llm import LLM
 
 HELP = "continuous vs static batching, side by side"
@@ -81,6 +82,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "interleaved; report medians, min and max and the ratio of medians "
                              "with its range, and mark runs whose load average says another "
                              "process shared the cores")
+    parser.add_argument("--lora-adapters", type=int, default=0, metavar="N",
+                        help="serve N random LoRA adapters of the model (every projection, "
+                             "--lora-rank), request i with adapter i mod N, on an engine with "
+                             "enable_lora and max_loras N; beside it the base model alone "
+                             "(offline mode)")
+    parser.add_argument("--lora-rank", type=int, default=lora_adapters.DEFAULT_RANK,
+                        help="the rank of --lora-adapters' adapters (and max_lora_rank)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                         help="a progress bar (only on a terminal)")
     parser.add_argument("--quick", action="store_true",
@@ -132,6 +140,12 @@ def run(args: argparse.Namespace) -> None:
     requests = _bench_requests(args, llm)
     if args.stop_at_eos:
         requests = [dataclasses.replace(r, stop_at_eos=True) for r in requests]
+    adapters_dir = None
+    if args.lora_adapters:  # kept until the process ends: engines read them as requests come
+        adapters_dir = tempfile.TemporaryDirectory(prefix="meshserve-bench-lora-")
+        requests = lora_adapters.spread(requests, lora_adapters.random_adapters(
+            adapters_dir.name, llm.model_config, args.lora_adapters, rank=args.lora_rank,
+            seed=args.seed))
     progress = args.progress and sys.stderr.isatty()
     payload: dict[str, Any] = {"weight_bytes": weight_bytes(llm.engine.model)}
     print(f"weights: {payload['weight_bytes'] / 1e6:.0f} MB "
@@ -238,9 +252,10 @@ def _repeated(args: argparse.Namespace, llm: LLM, requests: list, engines: dict,
     results: dict[str, Any] = {name: repeats.median_run(runs, name) for name in engines}
     results["ratio_output_tokens_per_s"] = (
         summary["ratios"]["continuous/static"]["ratio_of_medians"])
-    if bench.NO_SPECULATION in engines:
-        results["ratio_speculation_output_tokens_per_s"] = (
-            summary["ratios"][f"continuous/{bench.NO_SPECULATION}"]["ratio_of_medians"])
+    for name, ratio in ((bench.NO_SPECULATION, "ratio_speculation_output_tokens_per_s"),
+                        (bench.BASE_MODEL, "ratio_lora_output_tokens_per_s")):
+        if name in engines:
+            results[ratio] = summary["ratios"][f"continuous/{name}"]["ratio_of_medians"]
     if peers:
         results["peers"] = {}
         for name in peers:
@@ -346,6 +361,16 @@ def _check_bench_args(args: argparse.Namespace) -> None:
                          f"{', '.join(repeated_not)}")
     if args.max_rate_probes < 1:
         raise ValueError(f"--max-rate-probes must be >= 1, got {args.max_rate_probes}")
+    if args.lora_adapters < 0 or args.lora_rank < 1:
+        raise ValueError(f"--lora-adapters must be >= 0 and --lora-rank >= 1, got "
+                         f"{args.lora_adapters} and {args.lora_rank}")
+    if args.lora_adapters:
+        if args.mode != "online" and not (args.compare or []):
+            args.enable_lora, args.max_loras = True, args.lora_adapters
+            args.max_lora_rank, args.max_cpu_loras = args.lora_rank, None
+        else:
+            raise ValueError("--lora-adapters runs offline, without peers (the peers serve no "
+                             "adapters): drop --mode online and --compare")
     if args.prompts is not None:
         if args.workload not in ("chat-mix", f"jsonl:{args.prompts}"):
             raise ValueError("give --prompts or --workload, not both")
@@ -384,7 +409,7 @@ def _print_bench(results: dict, roof: dict | None, *, online: bool) -> None:
     print(f"{'policy':<14} {'out tok/s':>10} {'req/s':>7} {'prefill pad':>11} {'decode pad':>10} "
           f"{'host':>6} {'kv peak':>7} {'frag mean':>9} {'frag peak':>9} {'preempt':>7} "
           f"{'recompiles':>10} {'stage util':>10}")
-    for policy in ("continuous", "static", bench.NO_SPECULATION):
+    for policy in ("continuous", "static", bench.NO_SPECULATION, bench.BASE_MODEL):
         if policy not in results:
             continue
         r = results[policy]
@@ -438,9 +463,10 @@ def _print_bench(results: dict, roof: dict | None, *, online: bool) -> None:
                      f"{peer['ratio_continuous_ttft_median']:.2f}x"
                      if "ratio_continuous_ttft_median" in peer else ""))
     print(f"continuous / static output tokens/s: {results['ratio_output_tokens_per_s']:.2f}x")
-    if "ratio_speculation_output_tokens_per_s" in results:
-        print(f"continuous / {bench.NO_SPECULATION} output tokens/s: "
-              f"{results['ratio_speculation_output_tokens_per_s']:.2f}x")
+    for name, ratio in ((bench.NO_SPECULATION, "ratio_speculation_output_tokens_per_s"),
+                        (bench.BASE_MODEL, "ratio_lora_output_tokens_per_s")):
+        if ratio in results:
+            print(f"continuous / {name} output tokens/s: {results[ratio]:.2f}x")
 
 
 def _ms(seconds: float | None) -> str:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from meshserve.batching.adapters import LoRARequest
 from meshserve.batching.sampling import SamplingParams
 from meshserve.batching.structured import StructuredOutput
 
@@ -45,6 +46,7 @@ class BenchRequest:
     num_output_tokens: int
     stop_at_eos: bool = False
     structured: StructuredOutput | None = None  # `meshserve bench --structured`
+    lora_request: LoRARequest | None = None  # `meshserve bench --lora-adapters`
 
     def params(self) -> SamplingParams:
         """Greedy, so every policy and ordering generates the same tokens."""

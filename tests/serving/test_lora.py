@@ -25,6 +25,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from meshserve import LLM, AsyncLLM, LoRARequest, SamplingParams  # noqa: E402
+from meshserve.serving.bench import bench, lora_adapters  # noqa: E402
 from meshserve.serving.engine.engine_config import EngineConfig  # noqa: E402
 
 NUM_NEW = 6
@@ -172,6 +173,32 @@ def test_prefix_cache_pages_are_kept_per_adapter(llm, served):
         (out,) = _generate(llm, requests, [(2, adapter)])
         _assert_matches_hf([out], [(2, adapter)], want)
         assert (out.num_cached_tokens > 0) == cached, adapter
+
+
+def test_the_benchs_adapters_load_in_peft_and_give_its_tokens(llm, served, tmp_path):
+    """`meshserve bench --lora-adapters` writes its adapters in PEFT's format (every projection):
+    PEFT loads one, and the engine gives HF + peft's tokens and logprobs with it."""
+    base_dir, _, want = served
+    (adapter,) = lora_adapters.random_adapters(tmp_path, llm.engine.model_config, 1, rank=4,
+                                               seed=3, b_scale=0.3)
+    model = peft.PeftModel.from_pretrained(_hf_model(base_dir), adapter.lora_path).eval()
+    assert len(model.peft_config["default"].target_modules) == 7
+    reference = {(0, "bench"): _reference(model, PROMPTS[0])}
+    (out,) = llm.generate([PROMPTS[0]], _greedy(), use_tqdm=False, lora_request=adapter)
+    _assert_matches_hf([out], [(0, "bench")], reference)
+    base = want[0, None]
+    assert max(abs(a - b) for a, b in zip(reference[0, "bench"].logprobs, base.logprobs)) > 0.05
+
+
+def test_the_bench_runs_the_base_model_beside_the_adapters():
+    config = EngineConfig(**ENGINE)
+    configs = bench.engine_configs(config)
+    assert list(configs) == ["continuous", "static", bench.BASE_MODEL]
+    assert [c.enable_lora for c in configs.values()] == [True, False, False]
+    assert configs[bench.BASE_MODEL].policy == "continuous"
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="one at a time"):
+        bench.engine_configs(EngineConfig(**ENGINE, speculative_config=spec))
 
 
 def test_bad_adapters_are_refused_by_name_and_the_engine_goes_on(llm, served, tmp_path):
