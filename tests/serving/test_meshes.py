@@ -28,11 +28,11 @@ ENGINE = dict(num_pages=48, page_size=16, max_num_seqs=4, max_num_batched_tokens
               prefill_chunk=32, max_model_len=160, max_logprobs=5, warmup=False,
               compilation_cache=False)
 # One mesh of each kind, the most demanding of its sizes: model=2 pads the heads (3 kv heads to
-# 4, 9 query heads to 12; model=3 divides them), data=3 splits 4 requests unevenly, stage=4 pads
-# 30 layers to 32 (8, 8, 7, 7), and data=2,model=2 and stage=2,model=3 combine axes. The last two
-# are pipeline meshes (tests/serving/test_pipeline.py has the rest of PP's tests); all share this
-# module's one-device reference run.
-SMOLLM2_MESHES = ["model=2", "data=3", "data=2,model=2", "stage=4", "stage=2,model=3"]
+# 4, 9 query heads to 12; model=3 divides them), data=3 splits 4 requests unevenly, and
+# data=2,model=2 and stage=2,model=3 combine axes. The last is a pipeline mesh
+# (tests/serving/test_pipeline.py has the rest of PP's tests, padded stages among them); all share
+# this module's one-device reference run.
+SMOLLM2_MESHES = ["model=2", "data=3", "data=2,model=2", "stage=2,model=3"]
 # The step is mapped over `data` whatever its size, so data=2,model=4 runs model=4's step (kv
 # heads padded 2 -> 4) in each replica; data=2,model=2 runs under page pressure
 # (test_data_parallel_engine_serves_...) and model=3 pads the heads of a plain tensor-parallel
