@@ -52,6 +52,12 @@ class AdapterSlots:
         self._unpinned: collections.OrderedDict[int, None] = collections.OrderedDict(
             (slot, None) for slot in range(1, num_slots + 1))  # free slots first, then LRU
         self._loads: list[tuple[int, int]] = []
+        self.num_evictions = 0  # adapters a load pushed out of their slot, over the life
+
+    @property
+    def num_resident(self) -> int:
+        """Slots that hold an adapter (pinned or not)."""
+        return len(self._slot_of)
 
     def slot_of(self, adapter_id: int) -> int | None:
         return self._slot_of.get(adapter_id)
@@ -68,6 +74,7 @@ class AdapterSlots:
             evicted = next((a for a, s in self._slot_of.items() if s == slot), None)
             if evicted is not None:
                 del self._slot_of[evicted]
+                self.num_evictions += 1
             self._slot_of[adapter_id] = slot
             self._loads.append((slot, adapter_id))
         elif self._pins[slot] == 0:

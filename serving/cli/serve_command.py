@@ -34,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
     (`follow`) until it stops them.
     """
     config = served_under_model_name(options.dataclass_from_args(ServerConfig, args), args.model)
+    config.check_lora(args.enable_lora)  # before the model loads
     cluster_config = options.cluster_config_from_args(args)
     llm = options.load_llm(args, needs_tokenizer=False, cluster=cluster_config)
     cluster = llm.cluster
@@ -50,6 +51,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"meshserve: OpenAI-compatible HTTP API on {config.host}:{server.http_port} "
               f"(/v1/completions, /v1/chat/completions), model "
               f"{', '.join(repr(n) for n in config.served_model_name)}", flush=True)
+    if server.adapters is not None and server.adapters.requests():
+        print(f"meshserve: LoRA adapters "
+              f"{', '.join(repr(r.lora_name) for r in server.adapters.requests())}", flush=True)
     drain = lambda *_: threading.Thread(target=server.drain, daemon=True).start()  # noqa: E731
     signal.signal(signal.SIGTERM, drain)
     signal.signal(signal.SIGINT, drain)

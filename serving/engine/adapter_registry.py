@@ -41,6 +41,11 @@ class AdapterRegistry:
     def num_loaded(self) -> int:
         return len(self._loaded)
 
+    @property
+    def max_id(self) -> int:
+        """The largest adapter id named so far (0: none)."""
+        return max(self._requests, default=0)
+
     def resolve(self, lora_request: LoRARequest) -> int:
         """The adapter id of a request's `LoRARequest`, its adapter read and checked (ValueError,
         naming what to change, if it cannot be served). An id already known must come with the
@@ -49,14 +54,40 @@ class AdapterRegistry:
             raise ValueError(f"lora_request must be a LoRARequest, got "
                              f"{type(lora_request).__name__}")
         adapter_id = lora_request.lora_int_id
+        self._check_id(lora_request)
+        self.weights(adapter_id, lora_request)
+        self._requests[adapter_id] = lora_request
+        return adapter_id
+
+    def add(self, lora_request: LoRARequest, adapter: LoraAdapter) -> None:
+        """Keeps an adapter read and checked elsewhere (a server reads one off the engine's
+        thread, `meshserve.serving.engine.served_adapters`), as if a request had named it."""
+        self._check_id(lora_request)
+        adapter_id = lora_request.lora_int_id
+        self._requests[adapter_id] = lora_request
+        self._loaded[adapter_id] = adapter
+        self._loaded.move_to_end(adapter_id)
+        self._evict(keep=adapter_id)
+
+    def remove(self, adapter_id: int) -> None:
+        """Drops an adapter's weights from host memory; while unfinished requests still run
+        with it, makes it the least recently used instead (the first the LRU drops once they
+        are done). Its id stays taken by its name and path."""
+        if adapter_id not in self._loaded:
+            return
+        if adapter_id in set(self.in_use()):
+            self._loaded.move_to_end(adapter_id, last=False)
+        else:
+            del self._loaded[adapter_id]
+
+    def _check_id(self, lora_request: LoRARequest) -> None:
+        """An id already known must come with the same name and path."""
+        adapter_id = lora_request.lora_int_id
         known = self._requests.get(adapter_id)
         if known is not None and known != lora_request:
             raise ValueError(f"lora_int_id {adapter_id} is already adapter "
                              f"{known.lora_name!r} at {known.lora_path!r}; give this adapter "
                              "an id of its own")
-        self.weights(adapter_id, lora_request)
-        self._requests[adapter_id] = lora_request
-        return adapter_id
 
     def weights(self, adapter_id: int, lora_request: LoRARequest | None = None) -> LoraAdapter:
         """The adapter, read now unless it is kept; the most recently used afterwards."""

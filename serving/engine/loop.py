@@ -13,7 +13,8 @@ Threads and queues:
     read the Submission's own queue       <-----      then Finished (or Failed)
       (`get`, or `async for` over `items()`)        fail requests past their deadline or the
     on cancel / disconnect: cancel(id)    ----->      max queue time
-                                                    publish a load snapshot
+    a LoRA adapter read and checked:                publish a load snapshot
+      add_adapter / remove_adapter        ----->    (the registry takes or drops it)
 
 Only the engine-loop thread touches the Engine, so the engine needs no locks. Front ends share
 with it only the `commands` queue, each submission's own output queue, and the queue counters
@@ -45,8 +46,10 @@ import threading
 import time
 from typing import AsyncIterator, Callable
 
+from meshserve.batching.adapters import LoRARequest
 from meshserve.batching.request import RequestStatus
 from meshserve.batching.sampling import SamplingParams
+from meshserve.model.loading.lora_files import LoraAdapter
 from meshserve.serving.engine.admission import Admitted
 from meshserve.serving.engine.core import Engine
 from meshserve.serving.engine.metrics import ServerMetrics
@@ -188,6 +191,8 @@ class EngineLoop:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.admission = engine.admission.limited(self.max_prompt_tokens())
+        self._apply = {"add": self._add, "abort": self._abort,
+                       "adapter": self._add_adapter, "unload": self._remove_adapter}
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -298,10 +303,7 @@ class EngineLoop:
             return False
         while True:
             kind, payload = command
-            if kind == "add":
-                self._add(payload)
-            else:
-                self._abort(payload)
+            self._apply[kind](payload)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
@@ -315,6 +317,19 @@ class EngineLoop:
         except ValueError as err:  # its LoRA adapter (admission checked the rest)
             self.metrics.observe_rejected("invalid")
             self._finish(sub, Failed("invalid", str(err)))
+            return
+        if sub.admitted.lora_request is not None:
+            self.metrics.observe_adapter_request(sub.admitted.lora_request.lora_name)
+
+    def _add_adapter(self, payload: tuple[LoRARequest, LoraAdapter]) -> None:
+        lora_request, adapter = payload
+        try:
+            self.engine.adapters.add(lora_request, adapter)
+        except ValueError as err:  # its id taken by another adapter: requests naming it fail
+            log.error("LoRA adapter %r not kept: %s", lora_request.lora_name, err)
+
+    def _remove_adapter(self, adapter_id: int) -> None:
+        self.engine.adapters.remove(adapter_id)
 
     def _abort(self, request_id: str) -> None:
         sub = self._inflight.get(request_id)
@@ -446,6 +461,19 @@ class EngineLoop:
             self._inflight[request_id] = sub
         self._commands.put(("add", sub))
         return sub
+
+    def add_adapter(self, lora_request: LoRARequest, adapter: LoraAdapter) -> None:
+        """Hands the engine a LoRA adapter read and checked on the caller's thread
+        (`meshserve.serving.engine.served_adapters`): it is in the engine's registry before any
+        request submitted after this call is queued, so that one never reads it on the engine's
+        thread (unless the host LRU, `max_cpu_loras`, dropped it meanwhile)."""
+        assert self.engine.adapters is not None, "the engine serves no LoRA adapters"
+        self._commands.put(("adapter", (lora_request, adapter)))
+
+    def remove_adapter(self, adapter_id: int) -> None:
+        """Lets the engine drop a LoRA adapter's weights once no unfinished request runs with
+        it; requests already submitted with it run to their end."""
+        self._commands.put(("unload", adapter_id))
 
     def cancel(self, request_id: str) -> None:
         """Aborts the request at the next step (its pages are free after it); its queue gets a

@@ -83,12 +83,24 @@ names:
     meshserve:spec_decode_mean_acceptance_length  gauge: tokens per verification, 1 + accepted
                                             drafts / verifications, over the engine's life
 
+LoRA adapters (engines with `enable_lora`; docs/lora.md), exported with or without them:
+    meshserve:lora_requests_total           requests queued with an adapter, by `lora_name`
+                                            (the adapter's served name); requests of the base
+                                            model are not counted here
+    meshserve:lora_adapter_loads_total      adapters written into a device slot
+                                            (`EngineStats.num_adapter_loads`)
+    meshserve:lora_adapter_evictions_total  adapters a load pushed out of their device slot
+                                            (`AdapterSlots.num_evictions`)
+    meshserve:lora_resident_adapters        gauge: device slots holding an adapter
+    meshserve:lora_max_adapters             gauge: device slots (`max_loras`; 0 without LoRA)
+    meshserve:lora_cpu_adapters             gauge: adapters kept read in host memory
+
 The engine's cumulative counters (preemptions, compiles) are read in `observe_step`, which adds
 what changed since the previous call, so the exported totals equal the engine's over its life.
 
-Threads: `observe_step`, `observe_output` and `observe_aborted` belong to the thread that owns
-the engine (they keep per-request state without a lock). `observe_rejected`, `render` and the
-HTTP endpoint may run on any thread.
+Threads: `observe_step`, `observe_output`, `observe_aborted` and `observe_adapter_request`
+belong to the thread that owns the engine (they keep per-request state without a lock).
+`observe_rejected`, `render` and the HTTP endpoint may run on any thread.
 """
 
 from __future__ import annotations
@@ -219,6 +231,7 @@ class ServerMetrics:
         self._constraint_batches = 0
         self._http: tuple | None = None  # (server, thread) of start_http_server
         self._add_speculative(labels)
+        self._add_lora(labels)
 
     def _add_speculative(self, labels: tuple[str, ...]) -> None:
         """The speculative decoding counters and gauges (exported with or without it)."""
@@ -250,6 +263,42 @@ class ServerMetrics:
             PREFIX + "spec_decode_mean_acceptance_length", "Tokens per verification.", labels,
             registry=self.registry).labels(self.model_name)
         self._spec_seen = None  # the speculator's stats as of the previous observe_step
+
+    def _add_lora(self, labels: tuple[str, ...]) -> None:
+        """The LoRA adapters' counters and gauges (exported with or without LoRA)."""
+        def metric(kind, name, doc):
+            return kind(PREFIX + name, doc, labels, registry=self.registry).labels(
+                self.model_name)
+
+        self.lora_requests = Counter(PREFIX + "lora_requests",
+                                     "Requests queued with a LoRA adapter, by adapter.",
+                                     labels + ("lora_name",), registry=self.registry)
+        self.lora_adapter_loads = metric(Counter, "lora_adapter_loads",
+                                         "LoRA adapters written into a device slot.")
+        self.lora_adapter_evictions = metric(Counter, "lora_adapter_evictions",
+                                             "LoRA adapters a load pushed out of their slot.")
+        self.lora_resident_adapters = metric(Gauge, "lora_resident_adapters",
+                                             "Device slots holding a LoRA adapter.")
+        self.lora_max_adapters = metric(Gauge, "lora_max_adapters",
+                                        "Device slots for LoRA adapters (max_loras).")
+        self.lora_cpu_adapters = metric(Gauge, "lora_cpu_adapters",
+                                        "LoRA adapters kept read in host memory.")
+        self._adapter_loads = 0
+        self._adapter_evictions = 0
+
+    def _observe_adapters(self, engine) -> None:
+        slots, registry = engine.scheduler.adapter_slots, getattr(engine, "adapters", None)
+        self._adapter_loads = _add_growth(self.lora_adapter_loads, self._adapter_loads,
+                                          engine.stats.num_adapter_loads)
+        self._adapter_evictions = _add_growth(self.lora_adapter_evictions,
+                                              self._adapter_evictions, slots.num_evictions)
+        self.lora_resident_adapters.set(slots.num_resident)
+        self.lora_max_adapters.set(slots.num_slots)
+        self.lora_cpu_adapters.set(0 if registry is None else registry.num_loaded)
+
+    def observe_adapter_request(self, lora_name: str) -> None:
+        """A request with the LoRA adapter served as `lora_name` was queued."""
+        self.lora_requests.labels(self.model_name, lora_name).inc()
 
     def _observe_speculation(self, speculator) -> None:
         """Adds what the speculator counted since the previous call."""
@@ -303,6 +352,7 @@ class ServerMetrics:
             self._broadcast_seconds = _add_growth(self.plan_broadcast_seconds,
                                                   self._broadcast_seconds, channel.seconds)
         self._observe_speculation(getattr(engine, "speculator", None))
+        self._observe_adapters(engine)
         self.num_requests_running.set(scheduler.num_running)
         self.num_requests_waiting.set(scheduler.num_waiting)
         self.warmup_programs.set(stats.warmup_compiles)

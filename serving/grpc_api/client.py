@@ -121,6 +121,7 @@ class ServerInfo:
     load: Load
     served_model_names: tuple[str, ...] = ()
     root: str = ""  # the model's own name
+    lora_names: tuple[str, ...] = ()  # the served LoRA adapters, for `lora_name=`
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -164,8 +165,9 @@ def sampling_message(params: SamplingParams) -> pb.SamplingParams:
 
 
 def generate_request(prompt: Prompt, params: SamplingParams, *, request_id: str | None = None,
-                     priority: int = 0) -> pb.GenerateRequest:
-    """The `GenerateRequest` for a text, token-id or chat prompt.
+                     priority: int = 0, lora_name: str | None = None) -> pb.GenerateRequest:
+    """The `GenerateRequest` for a text, token-id or chat prompt; `lora_name` runs it with one
+    of the server's LoRA adapters (`ServerInfo.lora_names`).
 
     Raises ValueError (or TypeError) for a prompt of none of the three forms. What only the
     server can judge (an empty prompt, an id outside the vocabulary, a missing tokenizer, the
@@ -175,8 +177,10 @@ def generate_request(prompt: Prompt, params: SamplingParams, *, request_id: str 
         raise TypeError(f"priority must be an int, got {type(priority).__name__}")
     if request_id is not None and not isinstance(request_id, str):
         raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+    if lora_name is not None and not isinstance(lora_name, str):
+        raise TypeError(f"lora_name must be a str, got {type(lora_name).__name__}")
     request = pb.GenerateRequest(request_id=request_id or "", sampling=sampling_message(params),
-                                 priority=int(priority))
+                                 priority=int(priority), lora_name=lora_name or "")
     if isinstance(prompt, str):
         request.text = prompt
     elif isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
@@ -228,7 +232,8 @@ def _server_info(message: pb.ServerInfo) -> ServerInfo:
                       version=message.version, vocab_size=message.vocab_size,
                       load=Load(num_running=load.num_running, num_waiting=load.num_waiting,
                                 kv_cache_usage=load.kv_cache_usage),
-                      served_model_names=tuple(message.served_model_names), root=message.root)
+                      served_model_names=tuple(message.served_model_names), root=message.root,
+                      lora_names=tuple(message.lora_names))
 
 
 # -- responses -----------------------------------------------------------------------------------
@@ -382,23 +387,26 @@ class Client:
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def generate(self, prompt: Prompt, params: Params = None, *, request_id: str | None = None,
-                 priority: int = 0, timeout: float | None = None) -> Completion:
+                 priority: int = 0, lora_name: str | None = None,
+                 timeout: float | None = None) -> Completion:
         """Runs one request to its end and returns its Completion (finish_reason "abort" if it
         was aborted). Raises ValueError before any RPC for bad params or prompt, ClientError
         for a failed RPC."""
         with self.stream(prompt, params, request_id=request_id, priority=priority,
-                         timeout=timeout) as items:
+                         lora_name=lora_name, timeout=timeout) as items:
             for item in items:
                 if isinstance(item, Completion):
                     return item
         raise AssertionError("unreachable: a Stream ends with a Completion or raises")
 
     def stream(self, prompt: Prompt, params: Params = None, *, request_id: str | None = None,
-               priority: int = 0, timeout: float | None = None) -> Stream:
+               priority: int = 0, lora_name: str | None = None,
+               timeout: float | None = None) -> Stream:
         """Sends one request and returns its `Stream`: StreamChunks, then the Completion.
         Raises ValueError before any RPC for bad params or prompt."""
         sampling = as_sampling_params(params)
-        request = generate_request(prompt, sampling, request_id=request_id, priority=priority)
+        request = generate_request(prompt, sampling, request_id=request_id, priority=priority,
+                                   lora_name=lora_name)
         call = self._stub.Generate(request, timeout=self._timeout(timeout),
                                    metadata=self._metadata)
         return Stream(call, _Collector(sampling, request_id))
@@ -514,21 +522,24 @@ class AsyncClient:
 
     async def generate(self, prompt: Prompt, params: Params = None, *,
                        request_id: str | None = None, priority: int = 0,
-                       timeout: float | None = None) -> Completion:
+                       lora_name: str | None = None, timeout: float | None = None
+                       ) -> Completion:
         """As `Client.generate`."""
         async with self.stream(prompt, params, request_id=request_id, priority=priority,
-                               timeout=timeout) as items:
+                               lora_name=lora_name, timeout=timeout) as items:
             async for item in items:
                 if isinstance(item, Completion):
                     return item
         raise AssertionError("unreachable: a Stream ends with a Completion or raises")
 
     def stream(self, prompt: Prompt, params: Params = None, *, request_id: str | None = None,
-               priority: int = 0, timeout: float | None = None) -> AsyncStream:
+               priority: int = 0, lora_name: str | None = None,
+               timeout: float | None = None) -> AsyncStream:
         """As `Client.stream`; validation (ValueError) happens here, at once, and the request
         is sent when the iteration starts."""
         sampling = as_sampling_params(params)
-        request = generate_request(prompt, sampling, request_id=request_id, priority=priority)
+        request = generate_request(prompt, sampling, request_id=request_id, priority=priority,
+                                   lora_name=lora_name)
 
         async def start():
             stub = self._stubs()[0]

@@ -19,6 +19,10 @@ A cancelled or disconnected stream, or one past its deadline, is aborted at the 
 engine step, and its pages are free after it. The loop's refusal and failure kinds map to status
 codes in `_CODES`.
 
+With `--enable-lora`, the LoRA adapters served by name (`--lora-modules`,
+`meshserve.serving.engine.served_adapters`) are shared with the HTTP front end: a request's
+`lora_name` selects one (NOT_FOUND if none is served under it), and `GetServerInfo` lists them.
+
 Admission is bounded by queued requests and by queued prompt tokens. A request counts as queued
 from submission until the engine first schedules it, or until it ends. Past either bound the RPC
 fails at once with RESOURCE_EXHAUSTED, never a hang. A request still waiting after
@@ -64,6 +68,7 @@ from meshserve.serving.engine.core import Engine
 from meshserve.serving.engine.loop import Delta, EngineLoop, Failed, Limits, Refused, Submission
 from meshserve.serving.engine.metrics import ServerMetrics
 from meshserve.serving.engine.outputs import RequestOutput
+from meshserve.serving.engine.served_adapters import ServedAdapters, parse_lora_modules
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # meshserve.v1.Generation
 # A message of its own on the wire (`serving/grpc_api/structured_messages.py`):
@@ -106,11 +111,19 @@ class ServerConfig:
                                             nargs="+", metavar="HEADER")
     allow_credentials: bool = knob(False, "CORS: let those origins send cookies and "
                                           "Authorization")
+    lora_modules: tuple[str, ...] = knob(
+        (), "with --enable-lora: LoRA adapters to serve, each name=path (a PEFT directory); a "
+            "request names one as its model (HTTP) or lora_name (gRPC)", nargs="+",
+        metavar="NAME=PATH")
+    allow_runtime_lora_updating: bool = knob(
+        False, "with --enable-lora: serve POST /v1/load_lora_adapter and "
+               "/v1/unload_lora_adapter")
 
     def __post_init__(self):
         for name in ("served_model_name", "allowed_origins", "allowed_methods",
-                     "allowed_headers"):
+                     "allowed_headers", "lora_modules"):
             self._check_names(name)
+        parse_lora_modules(self.lora_modules)
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both --tls-cert and --tls-key")
         if self.api_key is not None and self.api_key_file is not None:
@@ -145,6 +158,15 @@ class ServerConfig:
             raise ValueError(f"api key file {self.api_key_file} is empty")
         return key
 
+    def check_lora(self, enable_lora: bool) -> None:
+        """The LoRA flags need an engine with `enable_lora`; ValueError naming them."""
+        if enable_lora:
+            return
+        for name in ("lora_modules", "allow_runtime_lora_updating"):
+            if getattr(self, name):
+                raise ValueError(f"--{name.replace('_', '-')} needs --enable-lora (the engine "
+                                 "then holds the adapters' slots)")
+
     def limits(self) -> Limits:
         return Limits(max_queued_requests=self.max_queued_requests,
                       max_queued_prompt_tokens=self.max_queued_prompt_tokens,
@@ -176,11 +198,16 @@ class GenerationServer:
 
     def __init__(self, engine: Engine, config: ServerConfig = ServerConfig(), *,
                  metrics: ServerMetrics | None = None):
+        config.check_lora(engine.adapters is not None)
         self.engine, self.config = engine, config
         self.metrics = metrics or ServerMetrics(engine.model_config.name)
         self._api_key = config.resolved_api_key()
         self.loop = EngineLoop(engine, config.limits(), metrics=self.metrics)
         self.loop.on_state(self._on_state)
+        # The LoRA adapters served by name (`serving/engine/served_adapters.py`), read now.
+        self.adapters = None if engine.adapters is None else ServedAdapters.start(
+            self.loop, config.served_names(engine.model_config.name),
+            parse_lora_modules(config.lora_modules))
         self._health = health.HealthServicer()
         self._grpc = self._build_grpc_server()
         self.http = None  # the HTTP front end, with http_port
@@ -212,7 +239,8 @@ class GenerationServer:
         if self.config.http_port is not None:
             from meshserve.serving.http_api.app import HttpServer  # only when asked: fastapi
 
-            self.http = HttpServer(self.loop, self.config, api_key=self._api_key)
+            self.http = HttpServer(self.loop, self.config, api_key=self._api_key,
+                                   adapters=self.adapters)
             self.http_port = self.http.start()
         if self.config.metrics_port is not None:
             self.metrics_port = self.metrics.start_http_server(self.config.metrics_port,
@@ -275,6 +303,7 @@ class GenerationServer:
         except Refused as refused:
             raise _rpc_error(refused) from None
         try:
+            lora_request = self._lora_request(request.lora_name)
             admitted = self.loop.admission.admit(
                 _prompt(request), _sampling_params(request.sampling),
                 request_id=request.request_id or f"req-{uuid.uuid4().hex[:12]}")
@@ -285,9 +314,23 @@ class GenerationServer:
             self.metrics.observe_rejected("invalid")
             raise
         try:
-            return self.loop.submit(admitted, priority=request.priority, deadline=deadline)
+            return self.loop.submit(dataclasses.replace(admitted, lora_request=lora_request),
+                                    priority=request.priority, deadline=deadline)
         except Refused as refused:
             raise _rpc_error(refused) from None
+
+    def _lora_request(self, name: str):
+        """The adapter served as `name` (None for ""); RpcError NOT_FOUND if none is."""
+        if not name:
+            return None
+        lora_request = None if self.adapters is None else self.adapters.get(name)
+        if lora_request is None:
+            served = [r.lora_name for r in self.adapters.requests()] if self.adapters else []
+            raise RpcError(grpc.StatusCode.NOT_FOUND,
+                           f"lora_name: no LoRA adapter is served as {name!r}; "
+                           + (f"served: {', '.join(served)}" if served else
+                              "this server serves none (--enable-lora --lora-modules)"))
+        return lora_request
 
     def cancel(self, request_id: str) -> None:
         self.loop.cancel(request_id)
@@ -307,7 +350,9 @@ class GenerationServer:
                              version=_version(), vocab_size=engine.model_config.vocab_size,
                              warmup_programs=engine.stats.warmup_compiles,
                              warmup_seconds=engine.stats.warmup_seconds,
-                             attention=engine.runner.attention)
+                             attention=engine.runner.attention,
+                             lora_names=[r.lora_name for r in self.adapters.requests()]
+                             if self.adapters is not None else [])
 
     def _set_health(self, status) -> None:
         for service in ("", SERVICE_NAME):

@@ -4,7 +4,8 @@
 both): one process, one `EngineLoop`, so both front ends share the engine, the admission bounds,
 the drain and the metrics. Endpoints:
 
-    GET  /v1/models             the served names (--served-model-name, or --model as given)
+    GET  /v1/models             the served names (--served-model-name, or --model as given),
+                                then the LoRA adapters (--lora-modules), each with its parent
     GET  /v1/models/{id}        one of them
     POST /v1/completions        a text or token-id prompt
     POST /v1/chat/completions   messages, through the tokenizer's chat template
@@ -14,6 +15,11 @@ the drain and the metrics. Endpoints:
                                 nothing is stored
     GET  /health                200 while serving; 503 while starting, draining or after a failure
     GET  /metrics               the Prometheus text (the same registry as --metrics-port)
+    POST /v1/load_lora_adapter    with --allow-runtime-lora-updating: serve one more LoRA
+    POST /v1/unload_lora_adapter  adapter, or stop serving one (`serving/http_api/lora_routes.py`)
+
+A request's `model` may name a LoRA adapter the server serves (`--enable-lora --lora-modules`):
+it then runs with that adapter, and its response names the adapter.
 
 Structured output (`response_format`, vLLM's `guided_*` and `structured_outputs`) and tool calls
 (`tools`, `tool_choice`, `parallel_tool_calls`) are read by
@@ -69,7 +75,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from meshserve.batching.adapters import LoRARequest
 from meshserve.serving.engine.admission import Admitted, AdmissionError, Prompt, check_request_id
+from meshserve.serving.engine.served_adapters import AdapterError, ServedAdapters
+from meshserve.serving.http_api.lora_routes import (AdapterRoutes, adapter_card,
+                                                 closed_route_message)
 from meshserve.serving.http_api.edge import CorsPolicy, Edge, error_body, guarded_protocol
 from meshserve.serving.http_api.render import Render
 from meshserve.serving.http_api.render_responses import ResponsesRender
@@ -128,11 +138,13 @@ class Accepted:
 
 # -- the app --------------------------------------------------------------------------------------
 
-def build_app(loop: EngineLoop, config, *, api_key: str | None = None):
+def build_app(loop: EngineLoop, config, *, api_key: str | None = None,
+              adapters: ServedAdapters | None = None):
     """The ASGI app on `loop`: the OpenAI API behind its edge (CORS, the api key, x-request-id).
-    `config` is the server's config (`ServerConfig`): served names, body limit, CORS."""
+    `config` is the server's config (`ServerConfig`): served names, body limit, CORS, the
+    runtime LoRA routes; `adapters`, the LoRA adapters served by name (with `enable_lora`)."""
     app = FastAPI(title="meshserve", docs_url=None, redoc_url=None, openapi_url=None)
-    api = _Api(loop, config)
+    api = _Api(loop, config, adapters)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, err: ApiError) -> JSONResponse:
@@ -145,6 +157,13 @@ def build_app(loop: EngineLoop, config, *, api_key: str | None = None):
         loop.metrics.observe_rejected("invalid")
         return JSONResponse(error_body(400, err.message, param=err.param, code=err.code),
                             status_code=400)
+
+    @app.exception_handler(AdapterError)
+    async def adapter_error(request: Request, err: AdapterError) -> JSONResponse:
+        status = 404 if err.is_unknown else 400
+        return JSONResponse(error_body(status, err.message, param=err.param,
+                                       code="model_not_found" if err.is_unknown
+                                       else "invalid_value"), status_code=status)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, err: HTTPException) -> JSONResponse:
@@ -168,6 +187,10 @@ def build_app(loop: EngineLoop, config, *, api_key: str | None = None):
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat_completions)
     app.post("/v1/responses")(api.responses)
+    if adapters is not None and config.allow_runtime_lora_updating:
+        routes = AdapterRoutes(adapters, api._read_body)
+        app.post("/v1/load_lora_adapter")(routes.load)
+        app.post("/v1/unload_lora_adapter")(routes.unload)
     cors = CorsPolicy(origins=tuple(config.allowed_origins),
                       methods=tuple(m.upper() for m in config.allowed_methods),
                       headers=tuple(config.allowed_headers),
@@ -178,6 +201,9 @@ def build_app(loop: EngineLoop, config, *, api_key: str | None = None):
 
 def _route_message(request: Request, status: int) -> str:
     where = f"{request.method} {request.url.path}"
+    closed = closed_route_message(request.url.path)
+    if status == 404 and closed is not None:
+        return closed
     if status == 404:
         return (f"no such route: {where}; the API is /v1/models, /v1/completions, "
                 f"/v1/chat/completions and /v1/responses (and /health, /metrics)")
@@ -187,8 +213,8 @@ def _route_message(request: Request, status: int) -> str:
 
 
 class _Api:
-    def __init__(self, loop: EngineLoop, config):
-        self.loop, self.engine = loop, loop.engine
+    def __init__(self, loop: EngineLoop, config, adapters: ServedAdapters | None = None):
+        self.loop, self.engine, self.adapters = loop, loop.engine, adapters
         self.max_body_bytes = config.max_message_bytes
         self.names = config.served_names(loop.engine.model_config.name)
         self.created = int(time.time())
@@ -203,24 +229,38 @@ class _Api:
         return Response(self.loop.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def models(self) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [self._card(n) for n in self.names]})
+        adapters = self.adapters.requests() if self.adapters is not None else []
+        return JSONResponse({"object": "list", "data": [self._card(n) for n in self.names]
+                             + [self._card(a.lora_name, a) for a in adapters]})
 
     async def model(self, model_id: str) -> JSONResponse:
-        return JSONResponse(self._card(self._served_name(model_id, param=None)))
+        return JSONResponse(self._card(*self._served_model(model_id, param=None)))
 
-    def _card(self, name: str) -> dict:
+    def _card(self, name: str, lora_request: LoRARequest | None = None) -> dict:
+        max_model_len = self.engine.config.max_model_len
+        if lora_request is not None:
+            return adapter_card(lora_request, parent=self.names[0], created=self.created,
+                                max_model_len=max_model_len)
         return {"id": name, "object": "model", "created": self.created, "owned_by": "meshserve",
                 "root": self.engine.model_config.name, "parent": None,
-                "max_model_len": self.engine.config.max_model_len}
+                "max_model_len": max_model_len}
 
-    def _served_name(self, given: str | None, *, param: str | None = "model") -> str:
+    def _served_model(self, given: str | None, *, param: str | None = "model"
+                      ) -> tuple[str, LoRARequest | None]:
+        """The served name asked for and its LoRA adapter (None: the base model), looked up
+        once (an adapter unloaded meanwhile is unknown, never the base model)."""
         if given is None:
-            return self.names[0]
-        if given not in self.names:
+            return self.names[0], None
+        if given in self.names:
+            return given, None
+        lora_request = self.adapters.get(given) if self.adapters is not None else None
+        if lora_request is None:
+            adapters = self.adapters.requests() if self.adapters is not None else []
+            names = [*self.names, *(a.lora_name for a in adapters)]
             raise ApiError(404, f"the model {given!r} does not exist; this server serves "
-                                f"{', '.join(repr(n) for n in self.names)}", param=param,
+                                f"{', '.join(repr(n) for n in names)}", param=param,
                            code="model_not_found")
-        return given
+        return given, lora_request
 
     async def completions(self, request: Request):
         return await self._serve(request, "completions")
@@ -280,7 +320,7 @@ class _Api:
         """The checks that need the engine, all before submission (the served name, the
         structured-output fields, then the engine's admission check); raises ApiError or
         RequestError."""
-        model = self._served_name(request.model)
+        model, lora_request = self._served_model(request.model)
         prefix = _ID_PREFIXES[request.endpoint]
         fresh = uuid.uuid4().hex[:24]
         echo_id = self._echo_id(header_id, request.request_id) or f"{prefix}{fresh}"
@@ -301,7 +341,9 @@ class _Api:
         except AdmissionError as err:
             raise _refusal(request, structured, err) from None
         return Accepted(request=request, model=model, response_id=f"{prefix}{base}",
-                        echo_id=echo_id, admitted=admitted, structured=structured)
+                        echo_id=echo_id,
+                        admitted=dataclasses.replace(admitted, lora_request=lora_request),
+                        structured=structured)
 
     def _structured(self, request: OpenAIRequest) -> Structured:
         """The request's constraint (`meshserve.serving.openai_api.structured_fields`); tool
@@ -428,9 +470,10 @@ class HttpServer:
     `config.max_message_bytes`, request heads up to `config.max_header_bytes` (431 past it) and
     at most `config.max_concurrent_streams` connections at once (503 past it)."""
 
-    def __init__(self, loop: EngineLoop, config, *, api_key: str | None = None):
+    def __init__(self, loop: EngineLoop, config, *, api_key: str | None = None,
+                 adapters: ServedAdapters | None = None):
         self.config = config
-        self.app = build_app(loop, config, api_key=api_key)
+        self.app = build_app(loop, config, api_key=api_key, adapters=adapters)
         self._uvicorn = uvicorn.Server(uvicorn.Config(
             self.app, log_level="warning", access_log=False, lifespan="off",
             http=guarded_protocol(config.max_concurrent_streams),

@@ -77,7 +77,8 @@ _CACHE = "prefix caching is automatic and never changes an output"
 
 FIELDS: tuple[Field, ...] = (
     # -- OpenAI ---------------------------------------------------------------------------------
-    honoured("model", "one of the served names (`GET /v1/models`); may be left out",
+    honoured("model", "one of the served names (`GET /v1/models`), or a LoRA adapter's name "
+             "(`--lora-modules`): the request runs with that adapter; may be left out",
              typed(str)),
     honoured("prompt", "one text, or one list of token ids (a list of one of either too)",
              prompt, endpoints=COMPLETIONS),

@@ -45,6 +45,7 @@ def test_slots_are_pinned_while_used_and_reused_least_recently_used_first():
     slots.release(2)
     assert slots.acquire(8) == 1  # slot 1 was unpinned before slot 2: the older goes first
     assert slots.acquire(9) == 2 and slots.take_loads() == ((1, 8),)  # 9 still resident
+    assert (slots.num_resident, slots.num_evictions) == (2, 2)  # 8 out, then 7 out
     slots.check()
     slots.release(1)
     slots.release(2)

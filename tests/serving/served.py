@@ -23,12 +23,13 @@ SMOL = dict(num_pages=64, page_size=16, max_num_seqs=4, max_num_batched_tokens=6
 
 
 @contextlib.contextmanager
-def openai_server(engine: Engine):
-    """`engine` behind a real server on 127.0.0.1 (gRPC and HTTP) and the official `openai`
-    client on its HTTP port: yields (server, client); the server stops on leaving."""
+def openai_server(engine: Engine, **config):
+    """`engine` behind a real server on 127.0.0.1 (gRPC and HTTP; `config`: more `ServerConfig`
+    fields) and the official `openai` client on its HTTP port: yields (server, client); the
+    server stops on leaving."""
     import openai
 
-    server = GenerationServer(engine, ServerConfig(port=0, http_port=0))
+    server = GenerationServer(engine, ServerConfig(port=0, http_port=0, **config))
     server.start()
     try:
         with openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="none",

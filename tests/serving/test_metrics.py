@@ -32,11 +32,13 @@ HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds",
 GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
           "kv_cache_cached_pages", "kv_cache_fragmentation_ratio",
           "kv_cache_reserved_unused_pages", "prefill_padding_ratio", "decode_padding_ratio",
-          "stage_utilisation")
+          "stage_utilisation", "lora_resident_adapters", "lora_max_adapters",
+          "lora_cpu_adapters")
 COUNTERS = ("num_preemptions_total", "prefix_cache_hits_total", "prompt_tokens_total",
             "generation_tokens_total", "kv_cache_window_freed_pages_total",
             "recompiles_total", "request_success_total", "requests_rejected_total",
-            "structured_mask_overlapped_seconds_total", "structured_mask_hidden_seconds_total")
+            "structured_mask_overlapped_seconds_total", "structured_mask_hidden_seconds_total",
+            "lora_adapter_loads_total", "lora_adapter_evictions_total")
 
 
 @pytest.fixture(scope="module")

@@ -85,20 +85,22 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ..., speculate: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "priority")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "priority", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
     chat: Chat
     sampling: SamplingParams
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "rank", "text")
@@ -191,7 +193,7 @@ class Load(_message.Message):
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("model", "mesh", "max_model_len", "load", "version", "vocab_size", "warmup_programs", "warmup_seconds", "attention", "served_model_names", "root")
+    __slots__ = ("model", "mesh", "max_model_len", "load", "version", "vocab_size", "warmup_programs", "warmup_seconds", "attention", "served_model_names", "root", "lora_names")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MESH_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +205,7 @@ class ServerInfo(_message.Message):
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
     SERVED_MODEL_NAMES_FIELD_NUMBER: _ClassVar[int]
     ROOT_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAMES_FIELD_NUMBER: _ClassVar[int]
     model: str
     mesh: str
     max_model_len: int
@@ -214,4 +217,5 @@ class ServerInfo(_message.Message):
     attention: str
     served_model_names: _containers.RepeatedScalarFieldContainer[str]
     root: str
-    def __init__(self, model: _Optional[str] = ..., mesh: _Optional[str] = ..., max_model_len: _Optional[int] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., version: _Optional[str] = ..., vocab_size: _Optional[int] = ..., warmup_programs: _Optional[int] = ..., warmup_seconds: _Optional[float] = ..., attention: _Optional[str] = ..., served_model_names: _Optional[_Iterable[str]] = ..., root: _Optional[str] = ...) -> None: ...
+    lora_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., mesh: _Optional[str] = ..., max_model_len: _Optional[int] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., version: _Optional[str] = ..., vocab_size: _Optional[int] = ..., warmup_programs: _Optional[int] = ..., warmup_seconds: _Optional[float] = ..., attention: _Optional[str] = ..., served_model_names: _Optional[_Iterable[str]] = ..., root: _Optional[str] = ..., lora_names: _Optional[_Iterable[str]] = ...) -> None: ...
