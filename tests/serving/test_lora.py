@@ -181,6 +181,7 @@ def test_the_benchs_adapters_load_in_peft_and_give_its_tokens(llm, served, tmp_p
     base_dir, _, want = served
     (adapter,) = lora_adapters.random_adapters(tmp_path, llm.engine.model_config, 1, rank=4,
                                                seed=3, b_scale=0.3)
+    adapter = dataclasses.replace(adapter, lora_int_id=100)  # ids 1-3 are this module's own
     model = peft.PeftModel.from_pretrained(_hf_model(base_dir), adapter.lora_path).eval()
     assert len(model.peft_config["default"].target_modules) == 7
     reference = {(0, "bench"): _reference(model, PROMPTS[0])}
