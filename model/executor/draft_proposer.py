@@ -61,7 +61,7 @@ class DraftModelProposer:
         self.num_calls = 0  # draft runner calls, catch-up and decode
 
     def warmup(self, *, progress: bool = True) -> None:
-        self.runner.warmup(progress=progress)
+        self.runner.warmup(progress=progress, prompt_logprobs=False)  # drafts need none
 
     def propose(self, requests: Sequence[Request], max_drafts: Sequence[int]
                 ) -> list[list[int]]:

@@ -134,9 +134,10 @@ class PipelineRunner:
         return [()]
 
     def warmup(self, keys: Sequence[tuple[()]] | None = None, *,
-               progress: bool = True) -> list[tuple[int]]:
-        """Compiles the pipeline call; runs nothing. Returns the call keys it serves, with and
-        without masks (`has_mask`: their host arrays differ in size)."""
+               progress: bool = True, prompt_logprobs: bool = True) -> list[tuple[int]]:
+        """Compiles the pipeline call, whose branches serve prompt logprobs too (so
+        `prompt_logprobs` changes nothing here); runs nothing. Returns the call keys it serves,
+        with and without masks (`has_mask`: their host arrays differ in size)."""
         keys = self.step_keys() if keys is None else list(keys)
         for key in tqdm(keys, desc="warming up", unit="program", disable=not progress):
             self.program(key)

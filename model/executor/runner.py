@@ -42,7 +42,7 @@ A step whose constrained rows' masks are not computed yet can run as two calls i
 dispatches its forward pass and returns at once, and `sample` runs its sampling once the host has
 the masks (`meshserve.model.executor.split_step`). That adds a forward pass per bucket key and a
 sampler per count of sequence slots (`RunnerConfig.sampling_rows`), all compiled at warm-up: 37
-programs in all for the default config (`num_programs`).
+programs in all for the default config (`num_programs()`).
 
 Several processes (`meshserve.serving.engine.multihost`): `execute` is split into `host_call` (the
 padded host arrays of the step's compiled call, keyed by its bucket and `has_mask`) and
@@ -283,12 +283,12 @@ class ModelRunner:
         process: see the module docstring)."""
         return self.overlaps_masks and jax.process_count() == 1
 
-    @property
-    def num_programs(self) -> int:
-        """Programs `warmup()` compiles: a step per bucket key, and where steps split a forward
-        pass per bucket key and a sampler per `RunnerConfig.sampling_rows` entry too; with LoRA,
-        the slot write."""
-        keys = len(self.config.step_keys())
+    def num_programs(self, *, prompt_logprobs: bool = True) -> int:
+        """Programs `warmup(prompt_logprobs=...)` compiles: a step per bucket key (without
+        `prompt_logprobs`, none of the keys with targets), and where steps split a forward pass
+        per bucket key and a sampler per `RunnerConfig.sampling_rows` entry too; with LoRA, the
+        slot write."""
+        keys = len(self.warmup_keys(prompt_logprobs=prompt_logprobs))
         split = keys + len(self.config.sampling_rows()) if self.splits_sampling else 0
         return keys + split + (self.lora_slabs is not None)
 
@@ -441,13 +441,21 @@ class ModelRunner:
         self.split.forward_program(tuple(key[:2]), self.params, self.cache, batch)
         self.split.sampler_program(sampling)
 
+    def warmup_keys(self, *, prompt_logprobs: bool = True) -> list[tuple[int, int]]:
+        """The bucket keys `warmup` compiles by default: every step key, or without
+        `prompt_logprobs` those of steps that return no prompt logprobs (a step with targets
+        then compiles its variant on first use)."""
+        return [key for key in self.config.step_keys() if prompt_logprobs or not key[1]]
+
     def warmup(self, keys: Sequence[tuple[int, int]] | None = None, *,
-               progress: bool = True) -> list[tuple[int, int, int]]:
-        """Compiles the step for each bucket key (default: `config.step_keys()`), and where
-        steps split its forward pass and sampling too; runs nothing. Returns the call keys
-        the steps serve, each bucket with and without a mask (their host arrays differ in
+               progress: bool = True, prompt_logprobs: bool = True
+               ) -> list[tuple[int, int, int]]:
+        """Compiles the step for each bucket key (default: `warmup_keys(prompt_logprobs=...)`),
+        and where steps split its forward pass and sampling too; runs nothing. Returns the call
+        keys the steps serve, each bucket with and without a mask (their host arrays differ in
         size: a multi-process job warms up a broadcast of each)."""
-        keys = self.config.step_keys() if keys is None else list(keys)
+        keys = (self.warmup_keys(prompt_logprobs=prompt_logprobs) if keys is None
+                else list(keys))
         if self.lora_slabs is not None:
             self.lora_slabs.compile()
         for key in tqdm(keys, desc="warming up", unit="bucket", disable=not progress):

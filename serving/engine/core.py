@@ -153,14 +153,17 @@ class Engine:
         return cls(runner, tokenizer, config, model=model)
 
     def warmup(self, *, progress: bool = True) -> None:
-        """Compiles every bucket. In a multi-process job every process runs its own warm-up, at
-        the same point and in the same order (the plan stream stays out of it), and then the
-        broadcast of every plan size the buckets can send."""
+        """Compiles every bucket, the prompt-logprobs variants only with
+        `warmup_prompt_logprobs` (else each on first use). In a multi-process job every process
+        runs its own warm-up of every variant, at the same point and in the same order (the
+        plan stream stays out of it), and then the broadcast of every plan size the buckets can
+        send."""
         channel, self.runner.channel = self.runner.channel, None
+        prompt_logprobs = self.config.warmup_prompt_logprobs or channel is not None
         started = time.perf_counter()
         try:
             with CompileCounter() as compiles:
-                keys = self.runner.warmup(progress=progress)
+                keys = self.runner.warmup(progress=progress, prompt_logprobs=prompt_logprobs)
                 if self.speculator is not None:  # a draft model's own programs
                     self.speculator.warmup(progress=progress)
                 if channel is not None:

@@ -88,6 +88,11 @@ class EngineConfig(SchedulingKnobs):
     max_cpu_loras: int | None = knob(None, "enable_lora: adapters kept read in host memory, "
                                            "least recently used out; unset: max_loras")
     warmup: bool = knob(True, "compile every bucket at start")
+    warmup_prompt_logprobs: bool = knob(
+        False, "with warmup: also compile each bucket's prompt-logprobs variant at start "
+               "(about 18 MB of memory a program on the CPU); off: a bucket's variant compiles "
+               "when a request first asks for prompt logprobs at it (a multi-process engine "
+               "always compiles them at start)")
     compilation_cache: bool = knob(True, "keep compiled programs in <cache dir>/xla across runs "
                                          "(process-wide: once on, on for every engine)")
 

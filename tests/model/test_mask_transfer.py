@@ -163,6 +163,6 @@ def test_the_warmup_compiles_the_split_steps_programs():
         runner.warmup([(8, 0), (4, 0)], progress=False)
     assert compiles.count == 2 + 2 + 1
     assert runner.config.sampling_rows() == [1, 2]
-    assert runner.num_programs == 5 + 5 + 2  # buckets 1, 2, 4, 8 and prompt logprobs
+    assert runner.num_programs() == 5 + 5 + 2  # buckets 1, 2, 4, 8 and prompt logprobs
     unset = dataclasses.replace(runner.config, overlap_masks=None)  # on unless on the CPU
     assert not unset.overlaps_masks(platform="cpu") and unset.overlaps_masks(platform="gpu")

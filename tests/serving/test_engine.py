@@ -79,8 +79,9 @@ def tiny_model(tiny_config, tiny_params):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    """The warmed engine: nothing it serves may compile."""
-    return Engine.from_model(tiny_model, None, EngineConfig(**TINY))
+    """The warmed engine, prompt-logprobs variants too: nothing it serves may compile."""
+    return Engine.from_model(tiny_model, None,
+                             EngineConfig(**(TINY | dict(warmup_prompt_logprobs=True))))
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +248,7 @@ def _varied_requests(rng, count: int):
 
 def test_serving_after_warmup_compiles_nothing(engine):
     keys = engine.runner.config.step_keys()  # one program per token bucket, and prompt logprobs
-    assert engine.stats.warmup_compiles == engine.runner.num_programs >= len(keys) > 0
+    assert engine.stats.warmup_compiles == engine.runner.num_programs() >= len(keys) > 0
     rng = np.random.default_rng(3)
     with CompileCounter() as compiles:
         _run(engine, [(_prompt(100, seed=1), _greedy(3))])
@@ -262,6 +263,31 @@ def test_serving_after_warmup_compiles_nothing(engine):
         _run(engine, _varied_requests(rng, 4))
     assert compiles.count == 0
     assert engine.stats.compiles_after_warmup == 0  # nor anything else this engine served
+
+
+def test_prompt_logprobs_variants_compile_on_first_use_by_default(tiny_model, engine):
+    """Without `warmup_prompt_logprobs` the warm-up leaves out the steps that return prompt
+    logprobs (memory: a compiled program holds ~18 MB on the CPU); the first request asking for
+    them compiles its bucket's variant, once, and gets what a fully warmed engine gives."""
+    lazy = Engine.from_model(tiny_model, None, EngineConfig(**TINY))
+    runner = lazy.runner
+    assert lazy.stats.warmup_compiles == runner.num_programs(prompt_logprobs=False) \
+        == len([key for key in runner.config.step_keys() if not key[1]]) \
+        < runner.num_programs()
+    _run(lazy, [(_prompt(30, seed=8), _greedy(4))])
+    assert lazy.stats.compiles_after_warmup == 0
+    request = [(_prompt(9, seed=4), _greedy(3, prompt_logprobs=3))]
+    (got,) = _run(lazy, request)
+    assert lazy.stats.compiles_after_warmup == 1  # bucket (16, has targets), on first use
+    (again,) = _run(lazy, request)
+    (want,) = _run(engine, request)
+    assert lazy.stats.compiles_after_warmup == 1
+    for out in (got, again):
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+        assert [None if e is None else {t: lp.logprob for t, lp in e.items()}
+                for e in out.prompt_logprobs] == \
+            [None if e is None else {t: lp.logprob for t, lp in e.items()}
+             for e in want.prompt_logprobs]
 
 
 # -- finishing -------------------------------------------------------------------------------------

@@ -33,7 +33,8 @@ NUM_NEW = 6
 # 16-token step: five token buckets serve every step.
 ENGINE = dict(num_pages=96, page_size=4, max_num_seqs=4, max_num_batched_tokens=16,
               prefill_chunk=16, max_model_len=64, max_logprobs=1, warmup=False,
-              compilation_cache=False, enable_lora=True, max_loras=2, max_lora_rank=8)
+              compilation_cache=False, enable_lora=True, max_loras=2, max_lora_rank=8,
+              warmup_prompt_logprobs=True)
 ADAPTERS = {  # name -> LoraConfig fields
     "attn": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
     "mlp": dict(r=4, lora_alpha=6, use_rslora=True,
@@ -127,7 +128,7 @@ def llm(served):
     """One device, warmed up: every step program and the slot write compiled at start."""
     base_dir, _, _ = served
     llm = LLM(str(base_dir), **(ENGINE | dict(warmup=True)))
-    assert llm.engine.stats.warmup_compiles == llm.engine.runner.num_programs
+    assert llm.engine.stats.warmup_compiles == llm.engine.runner.num_programs()
     return llm
 
 

@@ -31,7 +31,8 @@ from tests.serving.tiny_tokenizer import tiny_tokenizer
 # Four token buckets (1, 2, 4, 8): few programs to compile.
 ENGINE = dict(num_pages=64, page_size=16, max_num_seqs=4, max_num_batched_tokens=8,
               prefill_chunk=8, max_model_len=160, max_logprobs=5, compilation_cache=False,
-              overlap_masks=True)  # the masks beside the forward pass, off by default on a CPU
+              overlap_masks=True,  # the masks beside the forward pass, off by default on a CPU
+              warmup_prompt_logprobs=True)
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 6},
                          "ok": {"type": "boolean"},
@@ -94,7 +95,7 @@ def test_every_kind_matches_and_nothing_compiles_after_warmup(engine, tokenizer,
     for kind, completion in zip(CONSTRAINTS, outputs):
         assert completion.finish_reason == "stop", (kind, completion.text)
         assert _valid(kind, completion.text), (kind, completion.text)
-    assert engine.stats.warmup_compiles == engine.runner.num_programs
+    assert engine.stats.warmup_compiles == engine.runner.num_programs()
     assert engine.stats.compiles_after_warmup == 0
 
 
@@ -337,9 +338,9 @@ def test_masks_computed_beside_the_forward_pass_change_no_output(engine, one_cal
     _assert_same_outputs(got, _outputs(one_call, requests))
     assert engine.stats.overlap_steps > steps and one_call.stats.overlap_steps == 0
     assert 0 <= engine.stats.overlap_hidden_seconds <= engine.stats.overlap_mask_seconds
-    assert engine.stats.warmup_compiles == engine.runner.num_programs
+    assert engine.stats.warmup_compiles == engine.runner.num_programs()
     assert engine.stats.compiles_after_warmup == 0
-    assert one_call.runner.num_programs == len(one_call.runner.config.step_keys())
+    assert one_call.runner.num_programs() == len(one_call.runner.config.step_keys())
 
 
 def test_masks_computed_beside_the_forward_pass_on_a_mesh(model, tokenizer, one_call):
