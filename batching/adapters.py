@@ -9,13 +9,21 @@ that no running request pins (its adapter is evicted); when every slot is pinned
 waits, as it waits for pages (`Scheduler.can_hold_adapter`). A slot newly given to an adapter
 is a load the engine must make before the step runs (`StepPlan.adapter_loads`).
 
+A pipeline call runs several rounds (step plans) that are all planned, and their loads made,
+before it starts: a slot a request lets go of in round k (it reached its length, or was
+preempted) is still read by its rows of rounds up to k. While `releases_held` is open, a release
+keeps the slot pinned until it closes, once the call's results are back, so no later round of
+the call can give the slot to another adapter and have it rewritten under the rows that read it.
+
 Plain Python; like the rest of `batching/` it never imports jax.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+from typing import Iterator
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +60,7 @@ class AdapterSlots:
         self._unpinned: collections.OrderedDict[int, None] = collections.OrderedDict(
             (slot, None) for slot in range(1, num_slots + 1))  # free slots first, then LRU
         self._loads: list[tuple[int, int]] = []
+        self._held: list[int] | None = None  # releases kept until `releases_held` closes
         self.num_evictions = 0  # adapters a load pushed out of their slot, over the life
 
     @property
@@ -84,12 +93,28 @@ class AdapterSlots:
 
     def release(self, slot: int) -> None:
         """A running request let go of its slot; the last one makes it the most recently used
-        of the unpinned slots."""
+        of the unpinned slots. While `releases_held` is open, it happens when that closes."""
         assert self._pins[slot] > 0, slot
+        if self._held is not None:
+            self._held.append(slot)
+            return
         self._pins[slot] -= 1
         if self._pins[slot] == 0:
             del self._pins[slot]
             self._unpinned[slot] = None
+
+    @contextlib.contextmanager
+    def releases_held(self) -> Iterator[None]:
+        """Keeps every slot released inside pinned until the block ends (see the module
+        docstring): the slots a running call may read stay with their adapters."""
+        assert self._held is None, "releases are held already"
+        self._held = []
+        try:
+            yield
+        finally:
+            held, self._held = self._held, None
+            for slot in held:
+                self.release(slot)
 
     def forget(self) -> None:
         """Forgets what every slot holds (another engine sharing the runner wrote its own

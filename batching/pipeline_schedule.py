@@ -104,7 +104,9 @@ class _Unit:
 class UnitBatches:
     """Every (replica, unit) of one kind as a ragged batch: the fields of the model's
     `RaggedBatch`, with leading axes [D, U]. W token slots, Q rows (sequences). All int32.
-    PREFILL units carry `targets` always (zeros where no row asks for prompt logprobs).
+    PREFILL units carry `targets` always (zeros where no row asks for prompt logprobs), and
+    every unit `adapters`, each token's LoRA adapter slot (0 for the base model and padding; a
+    runner serving no adapters drops them).
 
     A row's tokens sit in consecutive slots starting at `last - num_new + 1`; padding slots have
     `is_real = 0` and write to the dummy page 0, and a padding row has `kv_lens = 0`.
@@ -120,6 +122,7 @@ class UnitBatches:
     last: np.ndarray  # [D, U, Q] slot of each row's last token
     page_table: np.ndarray  # [D, U, Q, M]
     targets: np.ndarray | None = None  # [D, U, W] prompt-logprob targets
+    adapters: np.ndarray | None = None  # [D, U, W] each token's LoRA adapter slot (0: none)
 
     @classmethod
     def empty(cls, shape: UnitShape, width: int, rows: int, *,
@@ -129,7 +132,7 @@ class UnitBatches:
         return cls(tokens=zeros(width), positions=zeros(width), token_seq=zeros(width),
                    is_real=zeros(width), write_slots=zeros(width), kv_lens=zeros(rows),
                    num_new=zeros(rows), last=zeros(rows), page_table=zeros(rows, shape.max_pages),
-                   targets=zeros(width) if with_targets else None)
+                   targets=zeros(width) if with_targets else None, adapters=zeros(width))
 
     def put_row(self, d: int, u: int, seq: int, start: int, batch: SubBatchPlan, row: int,
                 pages: np.ndarray, page_size: int) -> None:
@@ -149,6 +152,8 @@ class UnitBatches:
         self.page_table[d, u, seq, :pages.size] = pages
         if self.targets is not None and batch.targets is not None:
             self.targets[d, u, span] = batch.targets[row, :n]
+        if batch.adapter_slots is not None:
+            self.adapters[d, u, span] = batch.adapter_slots[row]
 
     def busy_units(self) -> int:
         """(replica, unit) pairs holding a real row."""

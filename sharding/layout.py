@@ -39,14 +39,12 @@ def prepare(model: nnx.Module, mesh_config: MeshConfig | str | None = None, *,
             devices: Sequence[jax.Device] | None = None,
             lora: LoraShape | None = None) -> Prepared:
     """`lora`, when given, adds the LoRA slabs (`meshserve.model.lora.with_lora`) to the padded
-    model, so their shardings follow from the rules like every weight's."""
+    model, so their shardings follow from the rules like every weight's: split over `stage` by
+    their layer axis (identity layers included) and over `model` as their projection is."""
     mesh_config = MeshConfig.coerce(mesh_config)
     mesh_config.check_model(model.config)
     model = pad_layers(pad_heads(model, mesh_config.model), mesh_config.stage)
     if lora is not None:
-        if mesh_config.stage > 1:
-            raise ValueError(f"enable_lora is not supported with pipeline stages (mesh "
-                             f"{mesh_config}): use the data and model axes")
         model = with_lora(model, lora)
     mesh = mesh_config.make_mesh(devices)
     model = split_experts(model, mesh, rules)

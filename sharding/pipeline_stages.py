@@ -7,7 +7,9 @@ appended to its block: layers whose weights are all zero. Such a layer adds exac
 residual stream (its norms output 0, so its attention and MLP outputs are 0, biases included), so
 the tokens do not change; it costs one layer's compute and memory (30 -> 32 layers: 7%).
 
-A padded model is an ordinary model with more layers; `stage_layout` says which are real.
+A padded model is an ordinary model with more layers; `stage_layout` says which are real. What
+is stacked over the real layers after that (a LoRA adapter's A and B) is padded the same way
+(`StageLayout.layer_index`), and `unpadded_config` gives back the real layers' config.
 """
 
 from __future__ import annotations
@@ -38,6 +40,15 @@ class StageLayout:
     def num_padded_layers(self) -> int:
         return self.num_stages * self.layers_per_stage
 
+    @property
+    def num_layers(self) -> int:
+        """The real layers."""
+        return sum(self.real_layers)
+
+    def layer_index(self) -> np.ndarray:
+        """[num_layers] int: where each real layer sits in the padded stack."""
+        return np.array([self.padded_index(i) for i in range(self.num_layers)], np.int64)
+
     def padded_index(self, layer: int) -> int:
         """Where real layer `layer` sits in the padded stack."""
         stage = 0
@@ -62,7 +73,7 @@ def pad_layers(model: nnx.Module, num_stages: int) -> nnx.Module:
     layout = stage_layout(config.num_layers, num_stages)
     if layout.num_padded_layers == config.num_layers:
         return model
-    index = np.array([layout.padded_index(i) for i in range(config.num_layers)])
+    index = layout.layer_index()
 
     def pad(value, axes):
         if not axes or axes[0] != "layers":
@@ -84,3 +95,13 @@ def padded_config(config: ModelConfig, num_stages: int) -> ModelConfig:
     for layer, kind in enumerate(config.layer_types):
         types[layout.padded_index(layer)] = kind
     return config.replace(num_layers=layout.num_padded_layers, layer_types=tuple(types))
+
+
+def unpadded_config(config: ModelConfig, layer_index: np.ndarray) -> ModelConfig:
+    """The config of the real layers of a padded model `config`, which sit at `layer_index`
+    (`StageLayout.layer_index`): what files written for the unpadded model (a LoRA adapter's)
+    are checked against."""
+    if len(layer_index) == config.num_layers:
+        return config
+    types = tuple(config.layer_types[i] for i in layer_index) if config.layer_types else ()
+    return config.replace(num_layers=len(layer_index), layer_types=types)

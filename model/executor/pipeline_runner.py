@@ -20,6 +20,13 @@ with one `lax.fori_loop` over ticks. At tick t stage s runs unit u = t - s of th
          prompt-logprob rows the logprobs of every token too, written to the call's outputs
     ppermute    y to stage s + 1, and the last stage's tokens to stage 0 (the feedback)
 
+A model served with LoRA adapters (`meshserve.model.lora`) holds their slabs among its layer
+weights, so each stage holds its layers' rows of them, as it holds its layers' kernels (the
+identity layers that pad a stage hold zeros). Every unit carries its tokens' adapter slots
+(`RaggedBatch.adapters`), which reach the stage's layers with the unit; `load_adapter` writes
+an adapter into a slot of every stage's slabs between calls, never during one (the engine holds
+back the slots the call's rounds read: `meshserve.batching.adapters`).
+
 Stage 0 keeps every fed-back token in a table [U, O] (O = max(R, P) sampled rows a unit); a decode
 row whose input token is a PLACEHOLDER reads it there (`decode_source`), so K decode steps run
 with no host round trip. The schedule guarantees that a row only reads a unit at least S ticks
@@ -62,9 +69,11 @@ from meshserve.batching.sampling import SamplingArrays
 from meshserve.batching.structured import mask_words
 from meshserve.model.attention import KVCache, RaggedBatch, init_kv_cache
 from meshserve.model.executor.device_layout import DeviceLayout, output_sharding, to_devices
+from meshserve.model.executor.lora_slabs import LoraSlabs, Weights
 from meshserve.model.executor.runner import PlanChannel, RunnerConfig, peer_errors
 from meshserve.model.executor.sampler import Sampled, host_sampling
 from meshserve.model.executor.steps import RaggedOutput, embed, ragged_layers, ragged_outputs
+from meshserve.model.lora import lora_shape
 from meshserve.model.transformer import stage_sliding_flags
 
 STAGE_AXIS = "stage"
@@ -91,13 +100,17 @@ class PipelineRunner:
     `model` is padded already (heads for `model`, layers for `stage`) with its layers stacked;
     `config` gives the cache geometry (per replica), the sampler's limits and the attention
     backend, settled for the model and `platform` (default: JAX's default platform) by the same
-    `RunnerConfig.backend` as `ModelRunner`'s; `shape` the units.
+    `RunnerConfig.backend` as `ModelRunner`'s; `shape` the units. `layer_index` says where
+    each of the model's own layers sits in the padded stack (`StageLayout.layer_index`;
+    default: every layer is its own): a LoRA adapter, read for the unpadded model, is laid out
+    by it.
     """
 
     splits_sampling = False  # a call samples inside its loop (see the module docstring)
 
     def __init__(self, model: nnx.Module, config: RunnerConfig, layout: DeviceLayout,
-                 shape: UnitShape, *, platform: str | None = None):
+                 shape: UnitShape, *, platform: str | None = None,
+                 layer_index: np.ndarray | None = None):
         self.model_config = model.config
         self.config, self.layout, self.shape = config, layout, shape
         self.num_replicas = layout.num_replicas
@@ -109,6 +122,11 @@ class PipelineRunner:
         self.attention = config.backend(model.config, platform=platform)
         graphdef, params = nnx.split(model)
         self.graphdef, self.params = graphdef, jax.device_put(params, layout.params)
+        self.layer_index = (np.arange(model.config.num_layers) if layer_index is None
+                            else np.asarray(layer_index))
+        assert self.layer_index.max(initial=-1) < model.config.num_layers
+        self.lora = lora_shape(model)  # the LoRA slabs' sizes; None: served without LoRA
+        self.lora_slabs = None if self.lora is None else LoraSlabs(self.params, layout)
         c = model.config
         init = functools.partial(
             init_kv_cache, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
@@ -139,9 +157,28 @@ class PipelineRunner:
         `prompt_logprobs` changes nothing here); runs nothing. Returns the call keys it serves,
         with and without masks (`has_mask`: their host arrays differ in size)."""
         keys = self.step_keys() if keys is None else list(keys)
+        if self.lora_slabs is not None:
+            self.lora_slabs.compile()
         for key in tqdm(keys, desc="warming up", unit="program", disable=not progress):
             self.program(key)
         return [(1,), (0,)]
+
+    def load_adapter(self, slot: int, weights: Weights) -> None:
+        """Writes a LoRA adapter, its A and B stacked over the unpadded model's layers, into row
+        `slot` (1..max_loras) of every stage's slabs, in place (`LoraSlabs.write`; identity
+        layers get zeros). Never while a call runs: this runner's calls return only once their
+        results are on the host."""
+        assert self.lora_slabs is not None, "this runner serves no LoRA adapters"
+        num_layers = self.model_config.num_layers
+
+        def padded(array: np.ndarray) -> np.ndarray:  # [L own, ...] -> [L padded, ...]
+            assert array.shape[0] == self.layer_index.size, (array.shape, self.layer_index.size)
+            out = np.zeros((num_layers, *array.shape[1:]), array.dtype)
+            out[self.layer_index] = array
+            return out
+
+        self.lora_slabs.write(slot, {target: (padded(a), padded(b))
+                                     for target, (a, b) in weights.items()})
 
     def program(self, key: tuple[int, ...] = ()) -> jax.stages.Compiled:
         """The compiled call, compiled (or loaded from the persistent compilation cache) on
@@ -244,6 +281,8 @@ class PipelineRunner:
         table = fields["page_table"]
         pad = self.config.page_table_width - table.shape[-1]
         fields["page_table"] = np.pad(table, [(0, 0)] * (table.ndim - 1) + [(0, pad)])
+        if self.lora is None:
+            fields["adapters"] = None  # no slabs: the layers take no adapters
         return RaggedBatch(**fields)
 
 

@@ -1,5 +1,5 @@
 """`meshserve client`: prompts to a running `meshserve serve`, answers streamed; `--info` prints
-GetServerInfo."""
+GetServerInfo; `--lora-name` runs the prompts with one of the server's LoRA adapters."""
 
 from __future__ import annotations
 
@@ -27,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls", action="store_true",
                         help="connect with TLS, trusting the system's root certificates")
     parser.add_argument("--info", action="store_true", help="print GetServerInfo as JSON")
+    parser.add_argument("--lora-name", default=None, metavar="NAME",
+                        help="run the prompts with the LoRA adapter the server serves as NAME "
+                             "(GetServerInfo's lora_names); unset: the base model")
     options.add_sampling_args(parser)
 
 
@@ -46,6 +49,9 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> None:
     if not args.prompt and not args.info:
         raise ValueError("give --prompt (repeatable) or --info")
+    if args.lora_name is not None and not args.lora_name.strip():
+        raise ValueError("--lora-name must name a served LoRA adapter; leave it out for the "
+                         "base model")
     params = options.sampling_from_args(args)
     api_key = args.api_key
     if args.api_key_file is not None:
@@ -64,7 +70,7 @@ def _run(args: argparse.Namespace) -> None:
             if len(args.prompt) > 1:
                 print(f">>> {prompt}", flush=True)
             message = prompt if args.raw else [{"role": "user", "content": prompt}]
-            for item in client.stream(message, params):
+            for item in client.stream(message, params, lora_name=args.lora_name):
                 if isinstance(item, StreamChunk):
                     print(item.text, end="", flush=True)
                     continue

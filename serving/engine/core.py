@@ -28,7 +28,9 @@ With `enable_lora` a request may run with a LoRA adapter (`lora_request`): the r
 and checks it at the door (`serving/engine/adapter_registry.py`), the scheduler gives it a
 device slot on admission, and the step first writes the adapters newly given slots into the
 runner's slabs (`StepPlan.adapter_loads`); each token of the step then carries its adapter's
-slot.
+slot. A pipeline call writes the loads of all its rounds before it runs, and holds back every
+slot released while its rounds are planned until its results are back
+(`AdapterSlots.releases_held`), so no round's load rewrites a slot an earlier round reads.
 
 With a `speculative_config` the engine speculates (`batching/speculative.py`): between schedule
 and execute the `Speculator` adds drafted tokens to the plan as extra rows, and the step's
@@ -79,6 +81,7 @@ from meshserve.serving.engine.speculation import make_speculator
 from meshserve.serving.engine.outputs import RequestOutput
 from meshserve.serving.engine.streams import Stream
 from meshserve.sharding.layout import prepare
+from meshserve.sharding.pipeline_stages import stage_layout, unpadded_config
 
 
 class Engine:
@@ -113,13 +116,13 @@ class Engine:
         self.speculator = make_speculator(config, runner)
         # LoRA adapters (`serving/engine/adapter_registry.py`): read at the door, loaded into the
         # runner's slots as the scheduler gives them out.
-        self.adapters = None if not config.enable_lora else AdapterRegistry(
-            self.model_config, max_rank=config.max_lora_rank,
-            max_cpu_loras=config.max_cpu_loras, in_use=self._adapters_in_use,
-            head_multiple=config.mesh_config.model)
-        if self.adapters is not None and getattr(runner, "lora", None) is None:
+        if config.enable_lora and getattr(runner, "lora", None) is None:
             raise ValueError("enable_lora needs a runner with LoRA slabs (Engine.from_model "
                              "builds one)")
+        self.adapters = None if not config.enable_lora else AdapterRegistry(
+            self._adapter_model_config(), max_rank=config.max_lora_rank,
+            max_cpu_loras=config.max_cpu_loras, in_use=self._adapters_in_use,
+            head_multiple=config.mesh_config.model)
         self.stats = EngineStats()
         if config.compilation_cache:
             enable_compilation_cache(cache_root(None) / "xla")
@@ -144,10 +147,12 @@ class Engine:
         model = quantize_model(model, settled.quantization)  # kernels loaded quantized stay
         if runner is None:
             prepared = prepare(model, settled.mesh_config, lora=settled.lora_shape())
+            stages = stage_layout(model.config.num_layers, settled.mesh_config.stage)
+            runner = (PipelineRunner(prepared.model, settled.runner_config(), prepared.layout,
+                                     settled.unit_shape(), layer_index=stages.layer_index())
+                      if settled.mesh_config.stage > 1
+                      else ModelRunner(prepared.model, settled.runner_config(), prepared.layout))
             model = prepared.model
-            runner = (PipelineRunner(model, settled.runner_config(), prepared.layout,
-                                     settled.unit_shape()) if settled.mesh_config.stage > 1
-                      else ModelRunner(model, settled.runner_config(), prepared.layout))
         elif runner.config != settled.runner_config() or runner.model_config != model.config:
             raise ValueError("a shared runner must have this engine's model and runner config")
         return cls(runner, tokenizer, config, model=model)
@@ -223,14 +228,24 @@ class Engine:
     def _adapters_in_use(self) -> set[int]:
         return {stream.request.adapter_id for stream in self._streams.values()}
 
-    def _load_adapters(self, plan: StepPlan) -> None:
-        """Writes the adapters the scheduler gave slots to into the runner's slabs, before the
-        step that first reads them; a compile here would count as one after warm-up."""
+    def _adapter_model_config(self):
+        """The config adapters are read against: the served model's, less the identity layers
+        that pad pipeline stages (an adapter has the model's own layers; the runner lays them
+        out over the stages)."""
+        if not self.is_pipelined:
+            return self.model_config
+        return unpadded_config(self.model_config, self.runner.layer_index)
+
+    def _load_adapters(self, loads: Sequence[tuple[int, int]]) -> None:
+        """Writes the adapters the scheduler gave slots to (`StepPlan.adapter_loads`) into the
+        runner's slabs, before the step that first reads them; a compile here would count as
+        one after warm-up."""
+        assert len({slot for slot, _ in loads}) == len(loads), "a slot is loaded once a call"
         with CompileCounter() as compiles:
-            for slot, adapter_id in plan.adapter_loads:
+            for slot, adapter_id in loads:
                 self.runner.load_adapter(slot, self.adapters.weights(adapter_id).weights)
         self.stats.compiles_after_warmup += compiles.count
-        self.stats.num_adapter_loads += len(plan.adapter_loads)
+        self.stats.num_adapter_loads += len(loads)
 
     def step(self) -> list[RequestOutput]:
         """Runs one step (one pipeline call, of up to `pipeline_rounds` steps, when the mesh has
@@ -240,7 +255,7 @@ class Engine:
             return self._pipeline_step()
         plan = self.scheduler.schedule()
         if plan.adapter_loads:
-            self._load_adapters(plan)
+            self._load_adapters(plan.adapter_loads)
         overlaps = self.scheduler.has_due_masks and _has_constrained(plan)
         ended = [] if overlaps else self._fill_due_masks()  # of rows this plan does not sample
         if plan.is_empty:
@@ -343,7 +358,31 @@ class Engine:
         token a call: once a round samples it, the later rounds leave it out
         (`Request.awaits_output`), since its next mask needs that token, while the other rows
         go on for every round.
+
+        LoRA adapters: every round's loads are written before the call, and a slot that a
+        request lets go of while the rounds are planned stays pinned until the call's results
+        are back (`AdapterSlots.releases_held`), so a later round never loads another adapter
+        into a slot an earlier round of the call reads.
         """
+        with self.scheduler.adapter_slots.releases_held():
+            plans = self._plan_rounds()
+            if not plans:
+                return []
+            schedule = build_schedule(plans, self.runner.shape,
+                                      bubble_filling=self.config.bubble_filling)
+            loads = [load for plan in plans for load in plan.adapter_loads]
+            if loads:
+                self._load_adapters(loads)
+            started = time.perf_counter()
+            with CompileCounter() as compiles:
+                results = self.runner.execute(schedule)
+        self.stats.record_pipeline(schedule, time.perf_counter() - started, compiles.count)
+        self.stats.device_wait_seconds += self.runner.last_wait_seconds
+        return self._resolve(plans, results)
+
+    def _plan_rounds(self) -> list[StepPlan]:
+        """Up to `pipeline_rounds` plans, each applied with placeholder outputs, as long as the
+        call has units for another round (see `_pipeline_step`)."""
         plans, shape = [], self.runner.shape
         while len(plans) < self.config.pipeline_rounds:
             preemptions = self.scheduler.num_preemptions
@@ -357,15 +396,7 @@ class Engine:
             if (self.scheduler.num_preemptions != preemptions or _has_penalty(plan)
                     or laid_out.num_units + self.config.units_per_round() > shape.num_units):
                 break
-        if not plans:
-            return []
-        schedule = build_schedule(plans, shape, bubble_filling=self.config.bubble_filling)
-        started = time.perf_counter()
-        with CompileCounter() as compiles:
-            results = self.runner.execute(schedule)
-        self.stats.record_pipeline(schedule, time.perf_counter() - started, compiles.count)
-        self.stats.device_wait_seconds += self.runner.last_wait_seconds
-        return self._resolve(plans, results)
+        return plans
 
     def _resolve(self, plans: Sequence[StepPlan], results) -> list[RequestOutput]:
         """Fills each placeholder output with its sampled token, round by round; a token that

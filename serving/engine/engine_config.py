@@ -128,9 +128,6 @@ class EngineConfig(SchedulingKnobs):
                              f"got {self.max_cpu_loras!r}")
         if not self.enable_lora:
             return
-        if self.mesh_config.stage > 1:
-            raise ValueError(f"enable_lora is not supported with pipeline stages (mesh "
-                             f"{self.mesh}): use the data and model axes")
         if self.policy != "continuous":
             raise ValueError(f"enable_lora needs policy 'continuous', not {self.policy!r}")
 

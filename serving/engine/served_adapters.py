@@ -1,7 +1,10 @@
 """`ServedAdapters`: the LoRA adapters a server serves by name, shared by its front ends.
 
 A server started with `--enable-lora --lora-modules name=path ...` serves each adapter under its
-name: an HTTP request selects one by `"model": "<name>"`, a gRPC request by `lora_name`.
+name: an HTTP request selects one by `"model": "<name>"`, a gRPC request by `lora_name`. A
+module may also be vLLM's JSON object, `{"name": ..., "path": ..., "base_model_name": ...}`,
+whose `base_model_name` (one of the names the base model is served under) is the adapter's
+`parent` in `/v1/models` (else the first of those names).
 With `--allow-runtime-lora-updating`, `POST /v1/load_lora_adapter` and
 `/v1/unload_lora_adapter` add and remove names while serving.
 
@@ -26,7 +29,9 @@ Thread-safe: one lock guards the table; an adapter is read outside it. Imports n
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
 import threading
 from typing import Iterable, Sequence
 
@@ -44,22 +49,78 @@ class AdapterError(ValueError):
         self.param, self.message, self.is_unknown = param, message, is_unknown
 
 
-def parse_lora_modules(values: Iterable[str]) -> tuple[tuple[str, str], ...]:
-    """`--lora-modules` values, each `name=path`, as (name, path) pairs; ValueError naming the
-    flag for a malformed one or a name given twice."""
-    pairs = []
-    for value in values:
-        name, is_pair, path = str(value).partition("=")
-        if not is_pair or not name.strip() or not path.strip():
-            raise ValueError(f"--lora-modules: {value!r} is not name=path (an adapter's name, "
-                             "then its PEFT directory)")
-        pairs.append((name.strip(), path.strip()))
-    names = [name for name, _ in pairs]
+@dataclasses.dataclass(frozen=True)
+class LoraModule:
+    """One `--lora-modules` entry: the adapter's served name, its PEFT directory, and the served
+    name of its base model (None: the first)."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+MODULE_KEYS = ("name", "path", "base_model_name")  # of the JSON form, as vLLM spells them
+
+
+def parse_lora_modules(values: Iterable[str]) -> tuple[LoraModule, ...]:
+    """`--lora-modules` values, each `name=path` or a JSON object with the keys of
+    `MODULE_KEYS` (`name` and `path` required); ValueError naming the flag, and the key at fault,
+    for a malformed one or a name given twice."""
+    modules = [_parse_module(str(value)) for value in values]
+    names = [module.name for module in modules]
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:
         raise ValueError(f"--lora-modules: the name {twice[0]!r} is given twice; give each "
                          "adapter a name of its own")
-    return tuple(pairs)
+    return tuple(modules)
+
+
+def _parse_module(value: str) -> LoraModule:
+    if value.lstrip().startswith("{"):
+        return _json_module(value)
+    name, is_pair, path = value.partition("=")
+    if not is_pair or not name.strip() or not path.strip():
+        raise ValueError(f"--lora-modules: {value!r} is not name=path (an adapter's name, "
+                         "then its PEFT directory) nor a JSON object with \"name\" and "
+                         "\"path\"")
+    return LoraModule(name.strip(), path.strip())
+
+
+def _json_module(value: str) -> LoraModule:
+    """vLLM's JSON form: {"name": ..., "path": ..., "base_model_name": ...}."""
+    try:
+        fields = json.loads(value)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--lora-modules: {value!r} is not valid JSON ({err})") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"--lora-modules: {value!r} must be a JSON object")
+    unknown = sorted(set(fields) - set(MODULE_KEYS))
+    if unknown:
+        raise ValueError(f"--lora-modules: {value!r}: unknown key {unknown[0]!r}; the keys are "
+                         f"{', '.join(MODULE_KEYS)}")
+    for key, what in (("name", "the adapter's name"), ("path", "its PEFT directory")):
+        if key not in fields:
+            raise ValueError(f"--lora-modules: {value!r} has no {key!r}; give {what}")
+    for key in MODULE_KEYS:  # base_model_name may be null, as in vLLM: the first served name
+        given = fields.get(key)
+        if (key != "base_model_name" or given is not None) and (
+                not isinstance(given, str) or not given.strip()):
+            raise ValueError(f"--lora-modules: {value!r}: {key!r} must be a non-empty string, "
+                             f"got {given!r}")
+    base = fields.get("base_model_name")
+    return LoraModule(fields["name"].strip(), fields["path"].strip(),
+                      None if base is None else base.strip())
+
+
+def check_base_model_names(modules: Iterable[LoraModule], served_names: Sequence[str]) -> None:
+    """Each module's `base_model_name`, when given, must be a name the base model is served
+    under; ValueError naming the module and the key otherwise."""
+    for module in modules:
+        if module.base_model_name is not None and module.base_model_name not in served_names:
+            raise ValueError(f"--lora-modules {module.name}: base_model_name "
+                             f"{module.base_model_name!r} is not a served model name; the "
+                             f"model is served as {', '.join(map(repr, served_names))} "
+                             "(--served-model-name)")
 
 
 class ServedAdapters:
@@ -74,21 +135,24 @@ class ServedAdapters:
         self.base_names = tuple(base_names)
         self._lock = threading.Lock()
         self._by_name: dict[str, LoRARequest] = {}  # guarded by _lock
+        self._parents: dict[str, str] = {}  # name -> its base model's name, where given
         self._ids = itertools.count(registry.max_id + 1)  # guarded by _lock
 
     @classmethod
     def start(cls, loop: EngineLoop, base_names: Sequence[str],
-              modules: Sequence[tuple[str, str]]) -> ServedAdapters:
-        """Serves `modules` ((name, path) pairs, `parse_lora_modules`), each read and checked
-        now; ValueError naming `--lora-modules` and the module for one that cannot be served."""
+              modules: Sequence[LoraModule]) -> ServedAdapters:
+        """Serves `modules` (`parse_lora_modules`), each read and checked now; ValueError
+        naming `--lora-modules` and the module for one that cannot be served."""
         if modules and loop.engine.runner.channel is not None:
             raise ValueError("--lora-modules: a multi-process engine serves no LoRA adapters yet")
+        check_base_model_names(modules, base_names)
         served = cls(loop, base_names)
-        for name, path in modules:
+        for module in modules:
             try:
-                served.load(name, path)
+                served.load(module.name, module.path, base_model_name=module.base_model_name)
             except AdapterError as err:
-                raise ValueError(f"--lora-modules {name}={path}: {err.message}") from None
+                raise ValueError(f"--lora-modules {module.name}={module.path}: "
+                                 f"{err.message}") from None
         return served
 
     def get(self, name: str) -> LoRARequest | None:
@@ -101,9 +165,17 @@ class ServedAdapters:
         with self._lock:
             return sorted(self._by_name.values(), key=lambda r: r.lora_int_id)
 
-    def load(self, name: str, path: str) -> LoRARequest:
+    def parent(self, name: str) -> str:
+        """The served name of adapter `name`'s base model: its module's `base_model_name`, else
+        the base model's first name."""
+        with self._lock:
+            return self._parents.get(name, self.base_names[0])
+
+    def load(self, name: str, path: str, *, base_model_name: str | None = None) -> LoRARequest:
         """Reads and checks the adapter at `path` (slow: call it off an event loop), then serves
-        it as `name` under a new id; AdapterError naming `lora_name` or `lora_path`."""
+        it as `name` under a new id (`base_model_name`: its parent, one of `base_names`);
+        AdapterError naming `lora_name` or `lora_path`."""
+        assert base_model_name is None or base_model_name in self.base_names, base_model_name
         with self._lock:
             self._check_free(name)  # before the slow read
         adapter = self._read(path)
@@ -111,6 +183,8 @@ class ServedAdapters:
             self._check_free(name)  # another load may have taken it meanwhile
             lora_request = LoRARequest(name, next(self._ids), path)
             self._by_name[name] = lora_request
+            if base_model_name is not None:
+                self._parents[name] = base_model_name
             # Queued before the name can be looked up, so that the engine keeps the adapter
             # before any request naming it is queued.
             self._loop.add_adapter(lora_request, adapter)
@@ -123,6 +197,7 @@ class ServedAdapters:
             if lora_request is None:
                 raise AdapterError("lora_name", f"no LoRA adapter is served as {name!r}; "
                                    f"{self._listing()}", is_unknown=True)
+            self._parents.pop(name, None)
             self._loop.remove_adapter(lora_request.lora_int_id)
         return lora_request
 

@@ -68,7 +68,8 @@ from meshserve.serving.engine.core import Engine
 from meshserve.serving.engine.loop import Delta, EngineLoop, Failed, Limits, Refused, Submission
 from meshserve.serving.engine.metrics import ServerMetrics
 from meshserve.serving.engine.outputs import RequestOutput
-from meshserve.serving.engine.served_adapters import ServedAdapters, parse_lora_modules
+from meshserve.serving.engine.served_adapters import (ServedAdapters, check_base_model_names,
+                                                     parse_lora_modules)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # meshserve.v1.Generation
 # A message of its own on the wire (`serving/grpc_api/structured_messages.py`):
@@ -112,8 +113,9 @@ class ServerConfig:
     allow_credentials: bool = knob(False, "CORS: let those origins send cookies and "
                                           "Authorization")
     lora_modules: tuple[str, ...] = knob(
-        (), "with --enable-lora: LoRA adapters to serve, each name=path (a PEFT directory); a "
-            "request names one as its model (HTTP) or lora_name (gRPC)", nargs="+",
+        (), "with --enable-lora: LoRA adapters to serve, each name=path (a PEFT directory) or "
+            "a JSON object {\"name\": ..., \"path\": ..., \"base_model_name\": ...}; a request "
+            "names one as its model (HTTP) or lora_name (gRPC)", nargs="+",
         metavar="NAME=PATH")
     allow_runtime_lora_updating: bool = knob(
         False, "with --enable-lora: serve POST /v1/load_lora_adapter and "
@@ -159,8 +161,13 @@ class ServerConfig:
         return key
 
     def check_lora(self, enable_lora: bool) -> None:
-        """The LoRA flags need an engine with `enable_lora`; ValueError naming them."""
+        """The LoRA flags need an engine with `enable_lora`, and a module's `base_model_name`
+        a name of `served_model_name` (when set; else the server checks it at start);
+        ValueError naming them."""
         if enable_lora:
+            if self.served_model_name:
+                check_base_model_names(parse_lora_modules(self.lora_modules),
+                                       self.served_model_name)
             return
         for name in ("lora_modules", "allow_runtime_lora_updating"):
             if getattr(self, name):

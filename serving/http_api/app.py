@@ -239,8 +239,8 @@ class _Api:
     def _card(self, name: str, lora_request: LoRARequest | None = None) -> dict:
         max_model_len = self.engine.config.max_model_len
         if lora_request is not None:
-            return adapter_card(lora_request, parent=self.names[0], created=self.created,
-                                max_model_len=max_model_len)
+            return adapter_card(lora_request, parent=self.adapters.parent(name),
+                                created=self.created, max_model_len=max_model_len)
         return {"id": name, "object": "model", "created": self.created, "owned_by": "meshserve",
                 "root": self.engine.model_config.name, "parent": None,
                 "max_model_len": max_model_len}

@@ -33,7 +33,7 @@ FLAG = "--allow-runtime-lora-updating"
 def adapter_card(lora_request: LoRARequest, *, parent: str, created: int,
                  max_model_len: int) -> dict:
     """An adapter's card in GET /v1/models, as vLLM writes it: `root` is its path, `parent`
-    the base model's first served name."""
+    its base model's served name (`ServedAdapters.parent`)."""
     return {"id": lora_request.lora_name, "object": "model", "created": created,
             "owned_by": "meshserve", "root": lora_request.lora_path, "parent": parent,
             "max_model_len": max_model_len}

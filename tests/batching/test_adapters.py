@@ -54,6 +54,22 @@ def test_slots_are_pinned_while_used_and_reused_least_recently_used_first():
     slots.check()
 
 
+def test_releases_held_keep_their_slots_until_the_block_ends():
+    """A pipeline call's rounds are planned before it runs: a slot let go of in one round keeps
+    its adapter (no other adapter can take it) until the call's results are back."""
+    slots = AdapterSlots(1)
+    assert slots.acquire(7) == 1
+    with slots.releases_held():
+        slots.release(1)  # its request ended in round k; rows of rounds <= k still read slot 1
+        assert not slots.can_acquire(8)  # a later round of the call cannot evict 7
+        assert slots.acquire(7) == 1  # 7 itself may run on in its own slot
+        slots.release(1)
+        slots.check()
+    assert slots.can_acquire(8) and slots.acquire(8) == 1
+    assert slots.take_loads() == ((1, 7), (1, 8)) and slots.num_evictions == 1
+    slots.check()
+
+
 @pytest.mark.parametrize("fields, message", [
     (("", 1, "/a"), "lora_name"), (("x", 0, "/a"), "lora_int_id"),
     (("x", True, "/a"), "lora_int_id"), (("x", 1, ""), "lora_path")])

@@ -5,11 +5,12 @@ adapters of it with peft itself
 (random, non-zero B): one on the attention (rank 8), one rsLoRA on q and the MLP (rank 4), one on
 v, o and down (rank 2). Every prompt runs with each adapter and with the base model, all mixed in
 one `LLM.generate` call, and must give HF + peft's greedy tokens with teacher-forced logprobs
-within 2e-3 (compared steps have a top-2 margin of at least 1e-3 in HF), on one device and on a
-`model=2` mesh. Then three adapters share two slots (a request waits for its adapter's slot), a
-third adapter evicts a slot with nothing compiled, the prefix cache keeps each adapter's pages
-apart, bad adapters are refused by name while the engine goes on, and `AsyncLLM` takes a
-`lora_request` per request.
+within 2e-3 (compared steps have a top-2 margin of at least 1e-3 in HF), on one device, on a
+`model=2` mesh, and (a 3-layer model) on `stage=2` and `stage=2,model=2` pipelines, where a slot
+let go of in the middle of a pipeline call keeps its adapter until the call ends. Then three
+adapters share two slots (a request waits for its adapter's slot), a third adapter evicts a slot
+with nothing compiled, the prefix cache keeps each adapter's pages apart, bad adapters are
+refused by name while the engine goes on, and `AsyncLLM` takes a `lora_request` per request.
 """
 
 from __future__ import annotations
@@ -74,10 +75,19 @@ def _reference(model, prompt: list[int]) -> Reference:
 def served(tmp_path_factory):
     """The base directory, each adapter's `LoRARequest`, and HF's reference per (prompt,
     adapter name or None)."""
-    root = tmp_path_factory.mktemp("lora")
+    return _write_served(tmp_path_factory.mktemp("lora"), num_layers=2)
+
+
+@pytest.fixture(scope="module")
+def served_3_layers(tmp_path_factory):
+    """The same with 3 layers: 2 stages hold 2 and 1, the second padded by an identity layer."""
+    return _write_served(tmp_path_factory.mktemp("lora3"), num_layers=3)
+
+
+def _write_served(root, *, num_layers: int):
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=128, hidden_size=96, intermediate_size=128, num_hidden_layers=num_layers,
         num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=128,
         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.2)
     base_dir = root / "base"
@@ -109,7 +119,8 @@ def _generate(llm, requests, cases):
                         lora_request=[None if a is None else requests[a] for _, a in cases])
 
 
-def _assert_matches_hf(outputs, cases, want) -> None:
+def _assert_matches_hf(outputs, cases, want, *, num_new: int = NUM_NEW) -> None:
+    """Each output's tokens are HF's first `num_new` (or all `NUM_NEW`), logprobs close."""
     for out, case in zip(outputs, cases):
         ref, completion = want[case], out.outputs[0]
         for step, (got, token) in enumerate(zip(completion.token_ids, ref.tokens)):
@@ -117,7 +128,7 @@ def _assert_matches_hf(outputs, cases, want) -> None:
             assert got == token, f"{case}: token {step} is {got}, HF chose {token}"
             logprob = completion.logprobs[step][got].logprob
             assert abs(logprob - ref.logprobs[step]) < 2e-3, (case, step, logprob)
-        assert len(completion.token_ids) == NUM_NEW
+        assert len(completion.token_ids) == num_new
 
 
 MIXED = [(p, a) for p in range(len(PROMPTS)) for a in (None, "attn", "mlp")]
@@ -252,12 +263,57 @@ def test_adapters_on_a_model_mesh_give_hfs_tokens(served):
     _assert_matches_hf(_generate(llm, requests, MIXED), MIXED, want)
 
 
-def test_lora_needs_enable_lora_and_a_mesh_without_stages(served):
+@pytest.fixture(scope="module")
+def pipelined(served_3_layers):
+    """Two pipeline stages over 3 layers (2 and 1 + an identity layer), warmed up: the
+    pipeline call and the slot write compiled at start."""
+    base_dir, _, _ = served_3_layers
+    return LLM(str(base_dir), mesh="stage=2", **(ENGINE | dict(warmup=True)))
+
+
+def test_adapters_on_pipeline_stages_give_hfs_tokens(pipelined, served_3_layers):
+    """stage=2: each stage holds its layers' rows of the slabs (the identity layer's are zeros),
+    and every unit of the pipeline call carries its tokens' slots; two adapters and the base
+    model mixed in one call give HF + peft's tokens."""
+    _, requests, want = served_3_layers
+    assert len({tuple(want[p, a].tokens) for p, a in MIXED}) == len(MIXED)  # adapters matter
+    _assert_matches_hf(_generate(pipelined, requests, MIXED), MIXED, want)
+    assert pipelined.engine.stats.compiles_after_warmup == 0
+
+
+def test_a_slot_let_go_in_a_pipeline_call_keeps_its_adapter_until_the_call_ends(
+        pipelined, served_3_layers):
+    """Both slots busy ("attn", "mlp"), "out" waiting: "attn" ends after 2 tokens in the
+    second of the call's rounds, while later rounds are planned. Its slot must not take "out"
+    in those rounds: the load would be written before the call, under "attn"'s rows of the
+    first two. "out" gets it in the next call, and every request gets HF + peft's tokens."""
+    _, requests, want = served_3_layers
+    pipelined.engine.scheduler.forget_prefixes()
+    cases = [(0, "attn"), (1, "mlp"), (2, "out"), (2, None)]
+    params = [SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=1)] + \
+        [_greedy()] * 3
+    loads = pipelined.engine.stats.num_adapter_loads
+    outputs = pipelined.generate([PROMPTS[p] for p, _ in cases], params, use_tqdm=False,
+                                 lora_request=[requests.get(a) for _, a in cases])
+    _assert_matches_hf(outputs[:1], cases[:1], want, num_new=2)
+    _assert_matches_hf(outputs[1:], cases[1:], want)
+    assert pipelined.engine.stats.num_adapter_loads > loads  # "out" was loaded
+    pipelined.engine.scheduler.adapter_slots.check()
+    assert pipelined.engine.stats.compiles_after_warmup == 0
+
+
+def test_adapters_on_stages_and_a_model_mesh_give_hfs_tokens(served_3_layers):
+    """stage=2,model=2: the slabs split on `stage` by layers and on `model` as their
+    projections do (heads padded 3 -> 4 kv, 6 -> 8 query)."""
+    base_dir, requests, want = served_3_layers
+    llm = LLM(str(base_dir), mesh="stage=2,model=2", **ENGINE)
+    _assert_matches_hf(_generate(llm, requests, MIXED), MIXED, want)
+
+
+def test_lora_needs_enable_lora(served):
     base_dir, requests, _ = served
     plain = LLM(str(base_dir), **(ENGINE | dict(enable_lora=False)))
     with pytest.raises(ValueError, match="enable_lora"):
         plain.generate(PROMPTS[0], _greedy(), use_tqdm=False, lora_request=requests["attn"])
-    with pytest.raises(ValueError, match="pipeline stages"):
-        EngineConfig(mesh="stage=2", **ENGINE)
     with pytest.raises(ValueError, match="max_cpu_loras"):
         EngineConfig(**(ENGINE | dict(max_cpu_loras=1, max_loras=2)))

@@ -2,10 +2,13 @@
 `openai` client) and gRPC, `/v1/models` cards, loading and unloading while serving, refusals,
 and the adapter metrics.
 
-One tiny Llama and its peft adapters (`tests/serving/test_lora.py`'s `served` fixture) and one
-engine for the module: its expected tokens come from `LLM.generate(..., lora_request=)` on the
-same engine before it is served (and equal HF + peft's), then a real server on 127.0.0.1 serves
-"attn" and "mlp" by name, with runtime updates allowed ("out" is loaded while serving).
+One tiny Llama and its peft adapters (`tests/serving/test_lora.py`'s `served` fixture, with a
+character-level tokenizer of its 128 ids beside it) and one engine for the module: its expected
+tokens come from `LLM.generate(..., lora_request=)` on the same engine before it is served (and
+equal HF + peft's), then a real server on 127.0.0.1 serves the base model as "base" and "alias",
+and "attn" (`name=path`) and "mlp" (vLLM's JSON form, its base model "alias") by name, with
+runtime updates allowed ("out" is loaded while serving). `meshserve client --lora-name` runs
+against the same server.
 """
 
 from __future__ import annotations
@@ -13,34 +16,53 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 openai = pytest.importorskip("openai")
 
+from tokenizers import Tokenizer as BackendTokenizer  # noqa: E402
+from tokenizers import decoders, models  # noqa: E402
+
 from meshserve import LLM, SamplingParams  # noqa: E402
+from meshserve.serving.cli import main as cli  # noqa: E402
 from meshserve.serving.engine.core import Engine  # noqa: E402
 from meshserve.serving.engine.engine_config import EngineConfig  # noqa: E402
 from meshserve.serving.grpc_api.client import Client, ClientError  # noqa: E402
 from meshserve.serving.grpc_api.server import GenerationServer, ServerConfig  # noqa: E402
+from meshserve.serving.engine.served_adapters import LoraModule, parse_lora_modules  # noqa: E402
 from meshserve.serving.http_api.app import HttpServer  # noqa: E402
 from tests.serving.fake_runner import FakeModelRunner  # noqa: E402
 from tests.serving.served import StepGate, openai_server  # noqa: E402
 from tests.serving.test_lora import (ENGINE, NUM_NEW, PROMPTS, _hf_model, peft,  # noqa: E402
                                      served)  # noqa: F401 (the module's fixture)
 
-BASE = "base"
+BASE, ALIAS = "base", "alias"  # the base model's served names
 CASES = [(p, a) for p in range(len(PROMPTS)) for a in (None, "attn", "mlp", "out")]
 FAKE = dict(num_pages=32, page_size=4, max_num_seqs=2, max_num_batched_tokens=16,
             prefill_chunk=16, max_model_len=64, warmup=False, compilation_cache=False)
 
 
+def _text(ids) -> str:
+    """The character-level tokenizer's text of token ids: id i is chr(0x100 + i)."""
+    return "".join(chr(0x100 + i) for i in ids)
+
+
 @pytest.fixture(scope="module")
-def expected(served):  # noqa: F811
-    """The engine, and the tokens `LLM.generate` gives each (prompt, adapter) case on it."""
+def expected(served, tmp_path_factory):  # noqa: F811
+    """The engine, and the tokens `LLM.generate` gives each (prompt, adapter) case on it. The
+    model directory gets a tokenizer of its own, one character per id (no EOS), so that text
+    prompts (`meshserve client`) can be served."""
     base_dir, requests, want = served
-    llm = LLM(str(base_dir), **ENGINE)
+    model_dir = shutil.copytree(base_dir, tmp_path_factory.mktemp("lora-server") / "base")
+    tokenizer = BackendTokenizer(models.BPE(vocab={_text([i]): i for i in range(128)},
+                                            merges=[]))
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    llm = LLM(str(model_dir), **ENGINE)
+    assert llm.tokenizer.encode(_text(PROMPTS[2])) == PROMPTS[2]
     outputs = llm.generate([PROMPTS[p] for p, _ in CASES], _greedy(), use_tqdm=False,
                            lora_request=[requests.get(a) for _, a in CASES])
     tokens = {case: out.outputs[0].token_ids for case, out in zip(CASES, outputs)}
@@ -56,8 +78,10 @@ def serving(served, expected):  # noqa: F811
     _, requests, _ = served
     engine, _ = expected
     gate = StepGate(engine)
-    modules = tuple(f"{name}={requests[name].lora_path}" for name in ("attn", "mlp"))
-    with openai_server(engine, served_model_name=(BASE,), lora_modules=modules,
+    modules = (f"attn={requests['attn'].lora_path}",
+               json.dumps({"name": "mlp", "path": requests["mlp"].lora_path,
+                           "base_model_name": ALIAS}))
+    with openai_server(engine, served_model_name=(BASE, ALIAS), lora_modules=modules,
                        allow_runtime_lora_updating=True) as (server, client):
         yield server, client, gate
 
@@ -119,11 +143,12 @@ def test_v1_models_lists_each_adapter_with_its_parent(serving, served):  # noqa:
     server, client, _ = serving
     _, requests, _ = served
     cards = {card.id: card for card in client.models.list().data}
-    assert list(cards) == [BASE, "attn", "mlp"]
+    assert list(cards) == [BASE, ALIAS, "attn", "mlp"]
     assert cards[BASE].parent is None
-    for name in ("attn", "mlp"):
-        assert (cards[name].parent, cards[name].root) == (BASE, requests[name].lora_path)
+    for name, parent in (("attn", BASE), ("mlp", ALIAS)):  # mlp's JSON module names its base
+        assert (cards[name].parent, cards[name].root) == (parent, requests[name].lora_path)
     assert client.models.retrieve("mlp").root == requests["mlp"].lora_path
+    assert client.models.retrieve("mlp").parent == ALIAS
 
 
 def test_an_unknown_model_is_404_on_every_route(serving):
@@ -160,7 +185,8 @@ def test_adapters_load_and_unload_while_serving(serving, served, expected, tmp_p
     status, text = _post(server, load, {"lora_name": "out", "lora_path": path})
     assert status == 200, text
     assert _completion(client, "out", 2).choices[0].token_ids == tokens[2, "out"]
-    assert [card.id for card in client.models.list().data] == [BASE, "attn", "mlp", "out"]
+    assert [card.id for card in client.models.list().data] == [BASE, ALIAS, "attn", "mlp",
+                                                               "out"]
 
     gate.shut()  # one request runs with "out" (its slot pinned) while it is unloaded
     try:
@@ -194,7 +220,56 @@ def test_adapters_load_and_unload_while_serving(serving, served, expected, tmp_p
         error = _error(text)
         assert (status, error["param"]) == (400, param), (body, error)
         assert named in error["message"], error
-    assert [card.id for card in client.models.list().data] == [BASE, "attn", "mlp"]
+    assert [card.id for card in client.models.list().data] == [BASE, ALIAS, "attn", "mlp"]
+
+
+def test_cli_client_lora_name_runs_the_adapter(serving, expected, capsys):
+    """`meshserve client --lora-name` streams the adapter's answer; without it the base
+    model's; an unknown name exits 2 with NOT_FOUND naming lora_name."""
+    server, _, _ = serving
+    _, tokens = expected
+    target = f"127.0.0.1:{server.port}"
+    prompt = ["--prompt", _text(PROMPTS[2]), "--raw", "--max-tokens", str(NUM_NEW)]
+    assert tokens[2, "mlp"] != tokens[2, None]
+    for name in ("mlp", "attn", None):
+        lora = [] if name is None else ["--lora-name", name]
+        assert cli.main(["client", "--target", target, *prompt, *lora]) == 0
+        out = capsys.readouterr()
+        assert out.out == _text(tokens[2, name]) + "\n", name
+        assert f"{NUM_NEW} completion tokens" in out.err
+    assert cli.main(["client", "--target", target, *prompt, "--lora-name", "nope"]) == 2
+    assert "NOT_FOUND: lora_name: no LoRA adapter is served as 'nope'" in capsys.readouterr().err
+    assert cli.main(["client", "--target", target, *prompt, "--lora-name", " "]) == 2
+    assert "--lora-name must name a served LoRA adapter" in capsys.readouterr().err
+
+
+def test_lora_modules_take_vllms_json_form():
+    """`name=path` and vLLM's JSON object, mixed; the JSON form's faults are refused naming the
+    key."""
+    modules = parse_lora_modules([
+        "sql=/a/sql", '{"name": "chat", "path": "/a/chat"}',
+        ' {"name": "code", "path": "/a/code", "base_model_name": "llama"}'])
+    assert modules == (LoraModule("sql", "/a/sql"), LoraModule("chat", "/a/chat"),
+                       LoraModule("code", "/a/code", "llama"))
+    for value, named in (
+            ('{"name": "a", "path": "/x", "scale": 2}', "unknown key 'scale'"),
+            ('{"path": "/x"}', "has no 'name'"),
+            ('{"name": "a"}', "has no 'path'"),
+            ('{"name": "", "path": "/x"}', "'name' must be a non-empty string"),
+            ('{"name": "a", "path": 3}', "'path' must be a non-empty string"),
+            ('{"name": "a", "path": "/x", "base_model_name": ""}',
+             "'base_model_name' must be a non-empty string"),
+            ('{"name": "a", "path": "/x", "base_model_name": null}', None),
+            ('{"name": "a", "path": "/x"', "is not valid JSON"),
+            ('["a", "/x"]', "is not name=path"),
+            ('{"name": "a", "path": "/x"} ', None)):
+        if named is None:
+            assert parse_lora_modules([value]) == (LoraModule("a", "/x"),)
+            continue
+        with pytest.raises(ValueError, match=re.escape(named)):
+            parse_lora_modules([value])
+    with pytest.raises(ValueError, match="the name 'a' is given twice"):
+        parse_lora_modules(['{"name": "a", "path": "/x"}', "a=/y"])
 
 
 def test_runtime_routes_need_the_flag(serving):
@@ -236,6 +311,13 @@ def test_lora_flags_need_enable_lora_and_bad_modules_fail_at_start(expected):
         ServerConfig(lora_modules=("attn",))
     with pytest.raises(ValueError, match="given twice"):
         ServerConfig(lora_modules=("a=/x", "a=/y"))
+    with pytest.raises(ValueError, match="unknown key 'scale'"):
+        ServerConfig(lora_modules=('{"name": "a", "path": "/x", "scale": 2}',))
+    other_base = '{"name": "a", "path": "/x", "base_model_name": "other"}'
+    with pytest.raises(ValueError, match="base_model_name 'other' is not a served model name"):
+        ServerConfig(served_model_name=(BASE,), lora_modules=(other_base,)).check_lora(True)
     engine, _ = expected
     with pytest.raises(ValueError, match="--lora-modules bad=/nonexistent: lora_path"):
         GenerationServer(engine, ServerConfig(port=0, lora_modules=("bad=/nonexistent",)))
+    with pytest.raises(ValueError, match="base_model_name 'other' is not a served model name"):
+        GenerationServer(engine, ServerConfig(port=0, lora_modules=(other_base,)))

@@ -16,7 +16,7 @@ from meshserve.model.transformer import model_from_params
 from meshserve.serving.engine.engine_config import EngineConfig
 from meshserve.serving.engine.core import Engine
 from meshserve.serving.engine.metrics import ServerMetrics
-from meshserve.sharding.pipeline_stages import pad_layers, stage_layout
+from meshserve.sharding.pipeline_stages import pad_layers, stage_layout, unpadded_config
 from tests.conftest import random_params
 from tests.model.paged import PagedStepper
 from tests.serving.test_meshes import ENGINE, _assert_same, _run
@@ -286,16 +286,42 @@ def test_the_compiled_call_permutes_per_tick_and_gathers_no_weight():
             assert dims not in weights, f"a weight is gathered: {op.text[:160]}"
 
 
+def test_a_lora_adapter_is_written_at_its_layers_places_in_the_padded_stack():
+    """4 layers over 3 stages (2, 1, 1 -> 6): an adapter read for the model's own 4 layers
+    (the engine reads adapters against the unpadded config) lands in rows 0, 1, 2 and 4 of
+    each slab, split over the stages with them; the identity layers 3 and 5 hold zeros."""
+    engine = Engine.from_model(_model(num_layers=4), None, EngineConfig(
+        mesh="stage=3", enable_lora=True, max_loras=2, max_lora_rank=4, **ENGINE))
+    assert engine.adapters.model_config.num_layers == 4
+    slabs = engine.runner.lora_slabs.slabs
+    a_slab, b_slab = slabs["layers/mlp/down/lora/a"], slabs["layers/mlp/down/lora/b"]
+    assert a_slab.shape[0] == 6 and a_slab.get_value().sharding.spec[0] == "stage"
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((4, *a_slab.shape[1:-2], 3)).astype(np.float32)  # rank 3 of 4
+    b = rng.standard_normal((4, 3, *b_slab.shape[3:])).astype(np.float32)
+    engine.runner.load_adapter(2, {"layers/mlp/down": (a, b)})
+    got_a = np.asarray(a_slab.get_value())[..., 1, :]  # slot 2: [6, ffw, r]
+    got_b = np.asarray(b_slab.get_value())[:, 1]  # [6, r, embed]
+    np.testing.assert_array_equal(got_a[[0, 1, 2, 4], ..., :3], a)
+    np.testing.assert_array_equal(got_b[[0, 1, 2, 4], :3], b)
+    assert not got_a[[3, 5]].any() and not got_b[[3, 5]].any()
+    assert not got_a[..., 3].any()  # the rank padded with zeros
+
+
 def test_layers_are_split_contiguously_and_padding_layers_are_exact():
     layout = stage_layout(30, 4)
     assert layout.real_layers == (8, 8, 7, 7) and layout.num_padded_layers == 32
     assert [layout.padded_index(i) for i in (0, 7, 8, 15, 16, 22, 23, 29)] == [
         0, 7, 8, 15, 16, 22, 24, 30]
+    assert layout.num_layers == 30 and layout.layer_index()[[22, 23, 29]].tolist() == [22, 24, 30]
     with pytest.raises(ValueError, match="3 pipeline stages need at least as many layers"):
         stage_layout(2, 3)
     model = _model(num_layers=4)
     padded = pad_layers(model, 3)  # 2, 1, 1 -> 6 layers
     assert padded.config.num_layers == 6
+    index = stage_layout(4, 3).layer_index()
+    assert index.tolist() == [0, 1, 2, 4]
+    assert unpadded_config(padded.config, index) == model.config  # what adapters are read for
     q = np.asarray(padded.layers.attn.q.kernel[...])
     assert q[:3].any(axis=(1, 2, 3)).all() and q[4].any()
     assert not q[3].any() and not q[5].any()  # stages 1 and 2 each end in the identity
