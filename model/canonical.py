@@ -165,8 +165,8 @@ def _shape(value: Any) -> tuple[int, ...]:
 
 def check_finite(key: str, array: np.ndarray | QuantizedArray) -> None:
     if isinstance(array, QuantizedArray):
-        for part in (array.scales, array.mins):
-            if part is not None:
+        for name, part in array.arrays().items():
+            if name != "values":
                 check_finite(key, part)
         return
     if not np.isfinite(array).all():

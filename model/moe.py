@@ -168,16 +168,15 @@ def routed_experts(x: jax.Array, chosen: jax.Array, weights: jax.Array, gate: St
 
 def _split_spec(stack: Stack, axes: tuple[str, ...], split: ExpertSplit
                 ) -> PartitionSpec | QuantizedArray:
-    """How `split` cuts a stack of logical axes `axes`: a quantized stack's codes, scales and
-    mins each by their own logical axes (`quantized_axes`), so every device holds its experts'
-    (or its slice of every expert's) codes with their scales."""
+    """How `split` cuts a stack of logical axes `axes`: a quantized stack's codes, scales, mins
+    and super scales each by their own logical axes (`quantized_axes`), so every device holds
+    its experts' (or its slice of every expert's) codes with their scales."""
     mesh_axes = {"expert": split.expert_axis, "expert_ffw": split.width_axis}
     spec = lambda names: PartitionSpec(*(mesh_axes.get(a) for a in names))  # noqa: E731
     if not isinstance(stack, QuantizedArray):
         return spec(axes)
     named = quantized_axes(stack.format, axes)
-    return dataclasses.replace(stack, values=spec(named["values"]), scales=spec(named["scales"]),
-                               mins=spec(named["mins"]) if "mins" in named else None)
+    return dataclasses.replace(stack, **{name: spec(named[name]) for name in stack.arrays()})
 
 
 def local_experts(x: jax.Array, chosen: jax.Array, weights: jax.Array, gate: Stack, up: Stack,

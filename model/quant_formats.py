@@ -18,9 +18,19 @@ stack's expert axis):
                                                        of byte i are code 4 i + t's)
     grouped  scales, mins  [*c[:-1], c[-1] / group, *out]
     per-channel  scales    [*out]
+    super-grouped  super_scales, super_mins  [*c[:-1], c[-1] / super_group, *out]  float32
 
 Codes of 5 and 6 bits are stored plus `offset` (GGUF's Q5_0 and Q6_K codes are signed, -16..15
 and -32..31), so that a kernel keeps a Q5/Q6 block's codes in the bits the file spends on them.
+
+Scales and mins are floats (`scale_dtype` float32 or float16), or, in super groups of
+`super_group` weights along the same axis (GGUF's K-quants: 256), small integers (uint8 or int8:
+a K-quant block's 6- and 8-bit sub-scales) that multiply their super group's float32
+`super_scales` and `super_mins` (the block's d and -dmin). A group's scale is then
+`super_scale * scale` in float32 (`group_scales`), which for a file's float16 d and 8-bit
+sub-scale is exact: the float32 scale GGUF's own dequantizer computes. Each weight costs 8 / group
+bits of scale (and of min) and 32 / super_group of super scale (and of super min), against
+32 / group for float32 scales.
 
 A `QuantizedArray` holds the arrays of one kernel (numpy on the host, jax arrays on devices) and
 its `QuantFormat`. The model code reads them through `meshserve.model.quantized_kernel`; the loaders
@@ -38,12 +48,14 @@ This module imports neither jax nor flax.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
 SCHEMES = ("none", "auto", "int8", "int4", "int4-g64")
-SCALE_DTYPES = ("float32", "float16")
+SCALE_DTYPES = ("float32", "float16", "uint8", "int8")
+INTEGER_SCALE_DTYPES = ("uint8", "int8")  # the scales of a format in super groups
+ARRAY_NAMES = ("values", "scales", "mins", "super_scales", "super_mins")
 INT8_MAX = 127
 INT4_LEVELS = 15
 PACK_UNIT = 32  # codes a unit of a 5- or 6-bit kernel packs along the contracted axis
@@ -53,7 +65,9 @@ PACK_UNIT = 32  # codes a unit of a 5- or 6-bit kernel packs along the contracte
 class QuantFormat:
     """How one kernel is stored. `num_contracted` and `num_out` count the kernel's contracted and
     output axes (stack axes in front, a layer's or an expert's, are neither); `group` is None for
-    per-channel scales. A code is its stored value minus `offset` (5 and 6 bits only)."""
+    per-channel scales. A code is its stored value minus `offset` (5 and 6 bits only). With
+    `super_group` (a multiple of `group`), scales and mins are integers of `scale_dtype` (uint8
+    or int8) times a float32 super scale and super min per `super_group` weights."""
 
     bits: int
     group: int | None
@@ -62,10 +76,15 @@ class QuantFormat:
     has_mins: bool
     scale_dtype: str = "float32"
     offset: int = 0
+    super_group: int | None = None
 
     def __post_init__(self):
         assert self.bits in (4, 5, 6, 8), self.bits
         assert self.scale_dtype in SCALE_DTYPES, self.scale_dtype
+        assert (self.super_group is not None) == (self.scale_dtype in INTEGER_SCALE_DTYPES), \
+            "integer scales are the ones that multiply a super scale"
+        assert self.super_group is None or (
+            self.group is not None and self.super_group % self.group == 0), self.super_group
         assert self.group is not None or (self.bits == 8 and not self.has_mins), \
             "per-channel scales are for symmetric int8"
         assert self.group is None or self.group % 2 == 0, self.group
@@ -96,12 +115,21 @@ class QuantFormat:
 
 @dataclasses.dataclass(frozen=True)
 class QuantizedArray:
-    """One quantized kernel: codes, scales, optional mins (numpy or jax arrays) and its format."""
+    """One quantized kernel: codes, scales, optional mins (numpy or jax arrays) and its format;
+    in super groups (`format.super_group`), its float32 super scales and, with mins, super
+    mins."""
 
     values: Any
     scales: Any
     mins: Any
     format: QuantFormat
+    super_scales: Any = None
+    super_mins: Any = None
+
+    @classmethod
+    def from_arrays(cls, named: Mapping[str, Any], fmt: QuantFormat) -> "QuantizedArray":
+        """The kernel of the arrays `arrays()` names (those `fmt` lacks left out)."""
+        return cls(format=fmt, **{name: named.get(name) for name in ARRAY_NAMES})
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -115,16 +143,15 @@ class QuantizedArray:
         return tuple(shape)
 
     def arrays(self) -> dict[str, Any]:
-        """Its arrays by name ("values", "scales" and, if any, "mins")."""
-        named = {"values": self.values, "scales": self.scales}
-        if self.mins is not None:
-            named["mins"] = self.mins
-        return named
+        """Its arrays by name ("values", "scales" and those of "mins", "super_scales" and
+        "super_mins" it has), as `stored_shapes` names them."""
+        return {name: getattr(self, name) for name in ARRAY_NAMES
+                if getattr(self, name) is not None}
 
     def map(self, fn) -> "QuantizedArray":
-        """The same kernel with `fn` applied to each of its arrays (to place or cast them)."""
-        return dataclasses.replace(self, values=fn(self.values), scales=fn(self.scales),
-                                   mins=None if self.mins is None else fn(self.mins))
+        """The same kernel with `fn` applied to each of its arrays (to place, cast or slice
+        them)."""
+        return dataclasses.replace(self, **{name: fn(a) for name, a in self.arrays().items()})
 
     @property
     def nbytes(self) -> int:
@@ -146,6 +173,10 @@ def stored_shapes(fmt: QuantFormat, shape: tuple[int, ...]) -> dict[str, tuple[i
     named = {"values": values, "scales": scales}
     if fmt.has_mins:
         named["mins"] = scales
+    if fmt.super_group is not None:
+        named["super_scales"] = shape[:axis] + (shape[axis] // fmt.super_group,) + shape[axis + 1:]
+        if fmt.has_mins:
+            named["super_mins"] = named["super_scales"]
     return named
 
 
@@ -153,7 +184,22 @@ def stored_dtypes(fmt: QuantFormat) -> dict[str, str]:
     named = {"values": np.dtype(fmt.code_dtype).name, "scales": fmt.scale_dtype}
     if fmt.has_mins:
         named["mins"] = fmt.scale_dtype
+    if fmt.super_group is not None:
+        named["super_scales"] = "float32"
+        if fmt.has_mins:
+            named["super_mins"] = "float32"
     return named
+
+
+def describe(fmt: QuantFormat) -> str:
+    """One line of what `fmt` holds, as the tools print it ("4 bits, groups of 32, mins, uint8
+    scales x float32 per 256")."""
+    if fmt.group is None:
+        return f"{fmt.bits} bits, a {fmt.scale_dtype} scale per output channel"
+    supers = f" x float32 per {fmt.super_group}" if fmt.super_group else ""
+    offset = f", codes offset by {fmt.offset}" if fmt.offset else ""
+    return (f"{fmt.bits} bits, groups of {fmt.group}, {'mins, ' if fmt.has_mins else ''}"
+            f"{fmt.scale_dtype} scales{supers}{offset}")
 
 
 def last_contracted_axis(fmt: QuantFormat) -> int:
@@ -217,6 +263,7 @@ def check_groups(fmt: QuantFormat, shape: tuple[int, ...], name: str) -> None:
     length = shape[last_contracted_axis(fmt)]
     step = fmt.group if fmt.group is not None else (2 if fmt.bits == 4 else 1)
     step = PACK_UNIT if fmt.is_packed else step
+    step = fmt.super_group or step
     if length % step:
         raise ValueError(f"{name}: its contracted axis of {length} does not divide into groups "
                          f"of {step}; quantize it with another scheme or leave it unquantized")
@@ -246,11 +293,11 @@ def quantize(kernel: Any, fmt: QuantFormat, xp: Any = np) -> QuantizedArray:
     return from_codes(codes, _squeeze(scale, fmt), _squeeze(low, fmt), fmt, xp)
 
 
-def from_codes(codes: Any, scales: Any, mins: Any, fmt: QuantFormat, xp: Any = np
-               ) -> QuantizedArray:
+def from_codes(codes: Any, scales: Any, mins: Any, fmt: QuantFormat, xp: Any = np, *,
+               super_scales: Any = None, super_mins: Any = None) -> QuantizedArray:
     """A `QuantizedArray` from codes in the grouped layout of `_grouped` (one code an element),
     or per channel in the kernel's own shape, packing two int4 codes a byte, and 5 or 6 bits a
-    code in units of 32 (`pack_codes`)."""
+    code in units of 32 (`pack_codes`); in super groups, with their super scales and mins."""
     if fmt.group is None:
         values = codes.astype(fmt.code_dtype)
     elif fmt.is_packed:
@@ -258,23 +305,45 @@ def from_codes(codes: Any, scales: Any, mins: Any, fmt: QuantFormat, xp: Any = n
     else:
         values = _packed(xp, codes, fmt) if fmt.bits == 4 else codes.astype(fmt.code_dtype)
         values = _ungrouped(values, fmt)
+    assert (super_scales is not None) == (fmt.super_group is not None)
+    assert (super_mins is not None) == (fmt.super_group is not None and fmt.has_mins)
+    as_float32 = lambda a: None if a is None else a.astype(np.float32)  # noqa: E731
     return QuantizedArray(values=values, scales=scales.astype(fmt.scale_dtype),
-                          mins=None if mins is None else mins.astype(fmt.scale_dtype), format=fmt)
+                          mins=None if mins is None else mins.astype(fmt.scale_dtype), format=fmt,
+                          super_scales=as_float32(super_scales), super_mins=as_float32(super_mins))
 
 
 def dequantize(q: QuantizedArray, xp: Any = np) -> Any:
     """The float32 kernel `q` stands for: the reference the compiled matmul is held to."""
     fmt = q.format
     codes = unpacked_codes(q, xp).astype(np.float32)  # grouped layout, or the kernel per channel
-    scales = q.scales.astype(np.float32)
+    scales, mins = group_scales(q, xp)
     if fmt.group is None:
         return codes * scales.reshape(scales.shape[:-fmt.num_out] + (1,) * fmt.num_contracted
                                       + scales.shape[-fmt.num_out:])
     axis = last_contracted_axis(fmt)
     w = codes * xp.expand_dims(scales, axis)
-    if q.mins is not None:
-        w = w + xp.expand_dims(q.mins.astype(np.float32), axis)
+    if mins is not None:
+        w = w + xp.expand_dims(mins, axis)
     return _ungrouped(w, fmt)
+
+
+def group_scales(q: QuantizedArray, xp: Any = np) -> tuple[Any, Any]:
+    """Each group's scale and min in float32, `[..., c[-1] / group, *out]` (per channel, the
+    scales `[..., *out]`; no mins: None): as stored, or in super groups each group's integer
+    scale (min) times its super group's float32 one, the product a K-quant's dequantizer
+    computes (`d * sc` and `-dmin * m`, both exact in float32)."""
+    fmt = q.format
+    scales = q.scales.astype(np.float32)
+    mins = None if q.mins is None else q.mins.astype(np.float32)
+    if fmt.super_group is None:
+        return scales, mins
+    axis = q.scales.ndim + last_contracted_axis(fmt)
+    spread = lambda a: xp.repeat(a, fmt.super_group // fmt.group, axis=axis)  # noqa: E731
+    scales = spread(q.super_scales) * scales
+    if mins is not None:
+        mins = spread(q.super_mins) * mins
+    return scales, mins
 
 
 def unpacked_codes(q: QuantizedArray, xp: Any = np) -> Any:

@@ -1,15 +1,17 @@
 """A quantized kernel in the model: the weights `Dense` reads when its kernel is quantized.
 
-A `QuantizedKernel` is a small module of weights (`values`, `scales` and optionally `mins`, in the
-layout of `meshserve.model.quant_formats`), each an `nnx.Param` with logical axes, so the sharding
-rules, the loaders and the checkpoints see them as ordinary weights. The codes keep the float
-kernel's axes (an int4 kernel halves its last contracted axis), and grouped scales keep them too,
-so a tensor-parallel split of the float kernel splits the codes and their scales alike
+A `QuantizedKernel` is a small module of weights (`values`, `scales` and optionally `mins`, and
+in super groups `super_scales` and `super_mins`, in the layout of
+`meshserve.model.quant_formats`), each an `nnx.Param` with logical axes, so the sharding rules,
+the loaders and the checkpoints see them as ordinary weights. The codes keep the float kernel's
+axes (an int4 kernel halves its last contracted axis), and grouped scales and super scales keep
+them too, so a tensor-parallel split of the float kernel splits the codes and their scales alike
 (`quantized_axes`).
 
 `quantized_matmul` is the one matmul of every quantized kernel (a `Dense`'s, or one routed
 expert's, which `meshserve.model.moe` slices out of its stack). Activations stay in their dtype,
-and codes become values right before the dot, in the layer scan, one layer's kernel at a time:
+and codes become values right before the dot, in the layer scan, one layer's kernel at a time
+(integer scales in super groups become float32 ones there too, `group_scales`):
 - int8: the layer's whole kernel is dequantized (per-channel scales multiply the dot's output
   instead) and runs as one dot. XLA:CPU writes that one layer's values to a buffer, in cache,
   before its dot; on GPUs XLA fuses the conversion into the dot.
@@ -39,22 +41,23 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshserve.model import native_dot
-from meshserve.model.quant_formats import (QuantFormat, QuantizedArray, dequantize,
-                                           last_contracted_axis)
+from meshserve.model.quant_formats import (ARRAY_NAMES, QuantFormat, QuantizedArray, dequantize,
+                                           group_scales, last_contracted_axis)
 
-jax.tree_util.register_dataclass(QuantizedArray, data_fields=["values", "scales", "mins"],
+jax.tree_util.register_dataclass(QuantizedArray, data_fields=list(ARRAY_NAMES),
                                  meta_fields=["format"])
 
 
 class QuantizedKernel(nnx.Module):
-    """The weights of one quantized kernel; `fmt` is static (part of the graph)."""
+    """The weights of one quantized kernel; `fmt` is static (part of the graph). Each array of
+    `ARRAY_NAMES` is an attribute, None where the format has no such array."""
 
     def __init__(self, q: QuantizedArray, axes: tuple[str | None, ...]):
-        fmt = self.fmt = q.format
-        self.values = nnx.Param(q.values, axes=axes)
-        scale_axes = axes if fmt.group is not None else _per_channel_axes(axes, fmt)
-        self.scales = nnx.Param(q.scales, axes=scale_axes)
-        self.mins = None if q.mins is None else nnx.Param(q.mins, axes=scale_axes)
+        self.fmt = q.format
+        named = quantized_axes(q.format, axes)
+        for name in ARRAY_NAMES:
+            array = getattr(q, name)
+            setattr(self, name, None if array is None else nnx.Param(array, axes=named[name]))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -62,8 +65,8 @@ class QuantizedKernel(nnx.Module):
         return self.array().shape
 
     def array(self) -> QuantizedArray:
-        return QuantizedArray(values=self.values[...], scales=self.scales[...],
-                              mins=None if self.mins is None else self.mins[...], format=self.fmt)
+        return QuantizedArray.from_arrays({name: getattr(self, name)[...] for name in ARRAY_NAMES
+                                           if getattr(self, name) is not None}, self.fmt)
 
 
 def _per_channel_axes(axes: tuple, fmt: QuantFormat) -> tuple:
@@ -145,9 +148,11 @@ def _dequantized_halves(q: QuantizedArray, dtype) -> tuple[jax.Array, jax.Array]
 
 
 def _group_scales(q: QuantizedArray, axis: int, dtype) -> tuple[jax.Array, jax.Array | None]:
-    """Grouped scales and mins [..., n, *out] -> [..., n, 1, *out] in `dtype`."""
-    scales = jnp.expand_dims(q.scales.astype(dtype), axis + 1)
-    mins = None if q.mins is None else jnp.expand_dims(q.mins.astype(dtype), axis + 1)
+    """Grouped scales and mins [..., n, *out] (in super groups, their float32 products) ->
+    [..., n, 1, *out] in `dtype`."""
+    scales, mins = group_scales(q, jnp)
+    scales = jnp.expand_dims(scales.astype(dtype), axis + 1)
+    mins = None if mins is None else jnp.expand_dims(mins.astype(dtype), axis + 1)
     return scales, mins
 
 
@@ -166,4 +171,8 @@ def quantized_axes(fmt: QuantFormat, axes: tuple[str | None, ...]) -> dict[str, 
     named = {"values": axes, "scales": scale_axes}
     if fmt.has_mins:
         named["mins"] = scale_axes
+    if fmt.super_group is not None:  # split like the scales: a super group holds whole groups
+        named["super_scales"] = scale_axes
+        if fmt.has_mins:
+            named["super_mins"] = scale_axes
     return named

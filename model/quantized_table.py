@@ -35,9 +35,7 @@ CHUNK_BYTES = 4 << 20
 
 def table_rows(table: QuantizedArray, ids: jax.Array, dtype) -> jax.Array:
     """Rows `ids` [...] of the quantized table [V, D], dequantized: [..., D] in `dtype`."""
-    take = lambda a: None if a is None else jnp.take(a, ids, axis=0)  # noqa: E731
-    rows = QuantizedArray(values=take(table.values), scales=take(table.scales),
-                          mins=take(table.mins), format=table.format)
+    rows = table.map(lambda a: jnp.take(a, ids, axis=0))
     return dequantize(rows, xp=jnp).astype(dtype)
 
 
@@ -55,9 +53,7 @@ def table_logits(x: jax.Array, table: QuantizedArray) -> jax.Array:
         arrays = {name: a[:whole].reshape(whole // chunk, chunk, *a.shape[1:])
                   for name, a in table.arrays().items()}
         parts = jax.lax.map(  # [V / c, N, c]
-            lambda part: _product(rows, QuantizedArray(
-                values=part["values"], scales=part["scales"], mins=part.get("mins"),
-                format=table.format)), arrays)
+            lambda part: _product(rows, QuantizedArray.from_arrays(part, table.format)), arrays)
         logits = jnp.moveaxis(parts, 0, 1).reshape(rows.shape[0], whole)
         if whole < vocab:
             logits = jnp.concatenate([logits, _product(rows, _slice(table, whole, vocab))], -1)

@@ -24,9 +24,9 @@ from flax import nnx
 
 from meshserve.model.layers import Dense, Embed
 from meshserve.model.moe import Experts
-from meshserve.model.quant_formats import (KernelPlan, QuantFormat, QuantizedArray, auto_keep_bits,
-                                           check_groups, quantize, scheme_format, stored_dtypes,
-                                           stored_shapes)
+from meshserve.model.quant_formats import (ARRAY_NAMES, KernelPlan, QuantFormat, QuantizedArray,
+                                           auto_keep_bits, check_groups, quantize, scheme_format,
+                                           stored_dtypes, stored_shapes)
 from meshserve.model.quantized_kernel import QuantizedKernel, quantized_axes
 
 
@@ -190,9 +190,8 @@ def grouped_params(params: Mapping[str, Any], formats: Mapping[str, QuantFormat]
     `formats` gathered into its `QuantizedArray`."""
     grouped = {k: v for k, v in params.items() if k.rpartition("/")[0] not in formats}
     for key, fmt in formats.items():
-        grouped[key] = QuantizedArray(values=params[f"{key}/values"],
-                                      scales=params[f"{key}/scales"],
-                                      mins=params.get(f"{key}/mins"), format=fmt)
+        grouped[key] = QuantizedArray.from_arrays(
+            {name: params[f"{key}/{name}"] for name in stored_dtypes(fmt)}, fmt)
     return grouped
 
 
@@ -246,9 +245,8 @@ def model_weights(model: nnx.Module, fn=lambda value, axes: value) -> dict[str, 
 
 
 def _mapped(kernel: QuantizedKernel, fn) -> QuantizedArray:
-    part = lambda p: None if p is None else fn(p[...], p.axes)  # noqa: E731
-    return QuantizedArray(values=part(kernel.values), scales=part(kernel.scales),
-                          mins=part(kernel.mins), format=kernel.fmt)
+    return QuantizedArray.from_arrays({name: fn(p[...], p.axes) for name in ARRAY_NAMES
+                                       if (p := getattr(kernel, name)) is not None}, kernel.fmt)
 
 
 def quantized_arrays(model: nnx.Module) -> dict[str, QuantizedArray]:

@@ -6,8 +6,8 @@ format each kept kernel is held in.
 Loads the model as an engine on `--platform` would (`--quantization`, default auto; `--native`:
 with native kernels, which on the CPU keep what the LM head reads in the file's blocks), on this
 machine's CPU, and prints the file's tensor bytes by block type, the loaded weights' bytes and
-their ratio, then one line per quantized kernel: bits, group, minimums, scale dtype, code offset
-and bytes. docs/models.md#quantized-weights quotes it.
+their ratio, then one line per quantized kernel: bits, group, minimums, scale dtype (and super
+group), code offset and bytes. docs/models.md#quantized-weights quotes it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import collections
 from meshserve.model import gguf_reader
 from meshserve.model.loading.hub import resolve_model
 from meshserve.model.loading.pretrained import _read, scheme_plans
-from meshserve.model.quant_formats import SCHEMES
+from meshserve.model.quant_formats import SCHEMES, describe
 from meshserve.model.quantized_weights import quantized_arrays, weight_bytes
 
 
@@ -44,10 +44,7 @@ def main() -> None:
     loaded = weight_bytes(model)
     print(f"loaded weights: {loaded:,} bytes, {loaded / file_bytes:.3f}x the file's tensors")
     for key, q in quantized_arrays(model).items():
-        fmt = q.format
-        print(f"  {key}: {fmt.bits} bits, groups of {fmt.group}, "
-              f"{'mins, ' if fmt.has_mins else ''}{fmt.scale_dtype} scales, "
-              f"offset {fmt.offset}: {q.nbytes:,} bytes")
+        print(f"  {key}: {describe(q.format)}: {q.nbytes:,} bytes")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ import numpy as np
 from meshserve.model.canonical import (Checkpoint, CheckpointLayout, Conversion, check_finite,
                                        expected_shapes, numpy_dtype)
 from meshserve.model.config import ModelConfig
-from meshserve.model.loading.gguf_blocks import CanonicalLayout, kept_format, regrouped
+from meshserve.model.loading.gguf_blocks import (CanonicalLayout, float_scales_format, kept_format,
+                                                 regrouped)
 from meshserve.model.quant_formats import KernelPlan, QuantFormat, QuantizedArray, quantize
 
 MAX_LISTED_NAMES = 5
@@ -121,6 +122,9 @@ def assemble_quantized(slots: list[Slot], checkpoint: Checkpoint, plan: KernelPl
     float."""
     kept = _kept_format(slots, checkpoint, plan, shape)
     layout = None if kept is None else _layout(slots[0], kept)
+    if layout is None and kept is not None and kept.super_group is not None:
+        kept = float_scales_format(kept)  # super-blocks split over the kernel's super groups
+        layout = _layout(slots[0], kept)
     if layout is not None:
         layers = [layout.quantized(regrouped(checkpoint.read_blocks(slot.source), kept))
                   for slot in slots]
@@ -131,10 +135,9 @@ def assemble_quantized(slots: list[Slot], checkpoint: Checkpoint, plan: KernelPl
         return None
     if slots[0].layer is None:
         return layers[0]
-    stack = lambda name: np.stack([getattr(q, name) for q in layers])  # noqa: E731
-    return QuantizedArray(values=stack("values"), scales=stack("scales"),
-                          mins=None if layers[0].mins is None else stack("mins"),
-                          format=layers[0].format)
+    return QuantizedArray.from_arrays(
+        {name: np.stack([q.arrays()[name] for q in layers]) for name in layers[0].arrays()},
+        layers[0].format)
 
 
 def _layout(slot: Slot, fmt: QuantFormat) -> CanonicalLayout | None:

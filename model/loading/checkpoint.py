@@ -5,7 +5,8 @@ Layout of a checkpoint directory DIR:
     DIR/meshserve.json          manifest: format name and version, model name, dtype, every
                                 weight's canonical path and shape, and the format of each
                                 quantized kernel (its arrays are stored under the kernel's path:
-                                `.../kernel/values`, `/scales`, `/mins`); written last
+                                `.../kernel/values`, `/scales`, `/mins`, `/super_scales`,
+                                `/super_mins`); written last
     DIR/model_config.json       every `ModelConfig` field (`config_to_json`)
     DIR/params/                 orbax `StandardCheckpointer` data: a flat {canonical path: array}
     DIR/tokenizer.json          only when the model has a tokenizer: the `tokenizers` backend,

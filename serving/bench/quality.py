@@ -16,7 +16,11 @@ Everything runs through the serving engine (the ragged step, the sampler), greed
 
 Candidates are the model loaded with each `--quantization` (a GGUF's blocks kept where they
 fit) and, with `--from-float`, the float32 model's kernels quantized by each scheme
-(`quantize_model`): the load-time path of a float checkpoint.
+(`quantize_model`): the load-time path of a float checkpoint. The reference is the same file's
+weights dequantized to float32, so a GGUF's kept blocks (`auto`) should differ from it only by
+summation order. Each candidate's row also counts its quantized kernels by format (bits, group,
+minimums, scales: float, or integers times a float32 super scale per super group), the layouts
+whose difference the row measures.
 """
 
 from __future__ import annotations
@@ -32,8 +36,8 @@ import numpy as np
 from meshserve.batching.sampling import SamplingParams
 from meshserve.model.loading.hub import DEFAULT_MODEL
 from meshserve.model.loading.pretrained import load_pretrained
-from meshserve.model.quantized_weights import quantize_model, weight_bytes
-from meshserve.model.quant_formats import SCHEMES
+from meshserve.model.quantized_weights import quantize_model, quantized_arrays, weight_bytes
+from meshserve.model.quant_formats import SCHEMES, describe
 from meshserve.serving.bench import bench, result_files, workloads
 from meshserve.serving.engine.engine_config import EngineConfig
 from meshserve.serving.engine.core import Engine
@@ -93,7 +97,7 @@ def run(args: argparse.Namespace) -> None:
         diff = np.abs(np.concatenate(lp["logprobs"]) - np.concatenate(float_lp["logprobs"]))
         top1 = np.concatenate([t == w for t, w in zip(lp["top1"], want)])
         rows[name] = {
-            "weight_bytes": weight_bytes(model),
+            "weight_bytes": weight_bytes(model), "formats": format_counts(model),
             "mean_abs_logprob_diff": float(diff.mean()), "max_abs_logprob_diff": float(diff.max()),
             "top1_agreement": float(top1.mean()),
             "greedy_prefix_share": sum(_prefix(g, w) for g, w in zip(got, want))
@@ -116,6 +120,16 @@ def _print(name: str, row: dict[str, Any]) -> None:
     shown = ["-" if c is None else f"{c:.4f}" for c in cells]
     print(f"{name:<22} {row['weight_bytes'] / 1e6:>6.0f} {shown[0]:>10} {shown[1]:>9} "
           f"{shown[2]:>7} {shown[3]:>13} {row['perplexity']:>7.3f}", flush=True)
+    for fmt, count in row.get("formats", {}).items():
+        print(f"{'':<22} {count} x {fmt}", flush=True)
+
+
+def format_counts(model) -> dict[str, int]:
+    """How many of `model`'s quantized kernels each format holds, by `describe`."""
+    counts: dict[str, int] = {}
+    for q in quantized_arrays(model).values():
+        counts[describe(q.format)] = counts.get(describe(q.format), 0) + 1
+    return counts
 
 
 def _engine(model) -> Engine:

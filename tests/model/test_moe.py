@@ -17,6 +17,7 @@
 - Configs and checkpoints the model cannot run fail with a message naming the problem.
 """
 
+import dataclasses
 import functools
 import json
 
@@ -39,6 +40,8 @@ from meshserve.model.quant_formats import (QuantFormat, QuantizedArray, dequanti
 from meshserve.model.quantized_weights import quantize_model, quantized_arrays
 from meshserve.model.transformer import create_model, model_from_params
 from meshserve.serving.engine.greedy_reference import generate_greedy
+from meshserve.sharding.experts import split_experts
+from meshserve.sharding.rules import DEFAULT_RULES, ShardingRules
 from tests.model.test_loaders import gguf_llama_metadata, llamacpp_permute, write_gguf
 from tests.model.test_quant import _f32_buffers, random_blocks
 
@@ -143,9 +146,12 @@ def test_tile_rows_follow_the_expected_rows_per_expert():
 # (codes stored plus 32).
 MIXED = QuantFormat(bits=8, group=16, num_contracted=1, num_out=1, has_mins=True)
 MIXED_6 = QuantFormat(bits=6, group=16, num_contracted=1, num_out=1, has_mins=True, offset=32)
+# Q6_K with Q4_K kept in their int8 sub-scales times a float32 scale per super group (of 64 here:
+# the stacks' contracted axes are 64 and 128 long).
+SUPER_6 = dataclasses.replace(MIXED_6, scale_dtype="int8", super_group=64)
 EXPERT_FORMATS = {"int8": scheme_format("int8", 1, 1), "int4": scheme_format("int4", 1, 1),
                   "int4-g64": scheme_format("int4-g64", 1, 1), "mixed": MIXED,
-                  "mixed-6-bit": MIXED_6}
+                  "mixed-6-bit": MIXED_6, "super-6-bit": SUPER_6}
 
 
 def _quantized_stacks(rng, fmt: QuantFormat, num_experts=4, dim=64, width=128):
@@ -158,6 +164,13 @@ def _quantized_stacks(rng, fmt: QuantFormat, num_experts=4, dim=64, width=128):
             q = from_codes(rng.integers(-32, 32, (groups[0], groups[1], 16, groups[2])),
                            rng.uniform(0.001, 0.01, groups), rng.uniform(-0.05, 0.05, groups),
                            fmt)
+        elif fmt.super_group:  # integer sub-scales and mins, float32 d and -dmin
+            groups = (shape[0], shape[1] // 16, shape[2])
+            supers = (shape[0], shape[1] // fmt.super_group, shape[2])
+            q = from_codes(rng.integers(-32, 32, (groups[0], groups[1], 16, groups[2])),
+                           rng.integers(-64, 64, groups), rng.integers(0, 64, groups), fmt,
+                           super_scales=rng.uniform(1e-4, 1e-3, supers),
+                           super_mins=-rng.uniform(1e-4, 1e-3, supers))
         else:
             q = quantize(rng.standard_normal(shape).astype(np.float32) * 0.1, fmt)
         stacks.append(q)
@@ -196,7 +209,7 @@ def test_a_tile_dequantizes_only_its_own_expert(scheme):
 
 
 @pytest.mark.parametrize("split", ["expert", "width"])
-@pytest.mark.parametrize("scheme", ["int8", "int4", "mixed-6-bit"])
+@pytest.mark.parametrize("scheme", ["int8", "int4", "mixed-6-bit", "super-6-bit"])
 def test_quantized_experts_split_over_two_fake_devices_match_one_device(scheme, split):
     """Under shard_map the codes, scales and mins of each stack split by their own logical axes:
     each device holds 2 of the 4 experts, or half of every expert's width (down's codes and
@@ -269,9 +282,28 @@ def test_auto_keeps_a_gguf_mixtures_expert_blocks_exactly(quantized_moe_gguf, pl
     assert {name: q.format.bits for name, q in experts.items()} == want_bits
     assert (experts["down"].format.group, experts["down"].format.has_mins) == (16, True)
     assert experts["gate"].format.has_mins and experts["gate"].format.scale_dtype == "float16"
+    # K-quants only (up: Q4_K; down: Q6_K with Q4_K): integer sub-scales, float32 per 256
+    assert (experts["up"].format.scale_dtype, experts["up"].format.super_group) == ("uint8", 256)
+    assert (experts["down"].format.scale_dtype, experts["down"].format.super_group) == ("int8",
+                                                                                        256)
     for name, q in experts.items():
         assert isinstance(q, QuantizedArray)
         np.testing.assert_array_equal(dequantize(q), floats[f"layers/mlp/experts/{name}"])
+
+
+def test_experts_whose_super_groups_a_width_split_would_cut_keep_their_width(quantized_moe_gguf):
+    """Experts of width 256 hold one super group of 256 along down's contracted width: split
+    over two devices, each would hold half of it, so the width is left whole; the same experts
+    in float32 split."""
+    config, floats = load_gguf(quantized_moe_gguf)
+    _, params = load_gguf(quantized_moe_gguf, plans=scheme_plans("auto", platform="gpu"))
+    mesh = jax.make_mesh((2,), ("model",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:2])
+    rules = ShardingRules({**DEFAULT_RULES.table, "expert": None, "expert_ffw": "model"})
+    kept = model_from_params(config, params)
+    assert split_experts(kept, mesh, rules) is kept  # nothing to split
+    split = split_experts(model_from_params(config, floats), mesh, rules).layers.mlp.split
+    assert split.width_axis == "model"
 
 
 def test_a_gguf_mixture_with_kept_experts_generates_the_float_models_tokens(quantized_moe_gguf):

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from meshserve.model import native_dot
-from meshserve.model.quant_formats import QuantFormat, from_codes
+from meshserve.model.quant_formats import (QuantFormat, dequantize, from_codes, group_scales,
+                                           unpacked_codes)
 from meshserve.model.quantized_kernel import QuantizedKernel, quantized_matmul
 
 try:
@@ -75,6 +76,55 @@ def test_native_dot_matches_the_jnp_path(name, rows):
         lowered = jax.jit(lambda x, q: quantized_matmul("nd,df->nf", x, q)).lower(x, q)
     assert _target(FORMATS[name]) in lowered.as_text()
     got = lowered.compile()(x, q)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+SUPER_FORMATS = {  # K-quants kept in their sub-scales: Q4_K alone, Q4_K with Q6_K, a Q6_K table
+    "q4_k": QuantFormat(bits=4, group=32, num_contracted=1, num_out=1, has_mins=True,
+                        scale_dtype="uint8", super_group=256),
+    "q4_k+q6_k": QuantFormat(bits=6, group=16, num_contracted=1, num_out=1, has_mins=True,
+                             scale_dtype="int8", offset=32, super_group=256),
+    "q6_k int8": QuantFormat(bits=8, group=16, num_contracted=1, num_out=1, has_mins=False,
+                             scale_dtype="int8", super_group=256),
+}
+
+
+def _super_kernel(fmt: QuantFormat, k: int, n: int, seed: int = 0):
+    """Random codes, 6-bit sub-scales (and mins) and float16-valued super scales (and
+    -dmin): a K-quant kernel."""
+    rng = np.random.default_rng(seed)
+    low, high = _code_range(fmt)
+    codes = rng.integers(low, high + 1, (k // fmt.group, fmt.group, n))
+    scales = rng.integers(0, 64, (k // fmt.group, n))
+    mins = rng.integers(0, 64, (k // fmt.group, n)) if fmt.has_mins else None
+    supers = rng.uniform(1e-4, 1e-3, (2, k // fmt.super_group, n)).astype(np.float16)
+    q = from_codes(codes, scales, mins, fmt, super_scales=supers[0],
+                   super_mins=-supers[1] if fmt.has_mins else None)
+    return q.map(jnp.asarray)
+
+
+@pytest.mark.parametrize("name", list(SUPER_FORMATS))
+@pytest.mark.parametrize("rows", [1, 13])
+def test_super_group_scales_reach_the_kernel_as_their_float32_products(name, rows):
+    """A kernel in super groups runs natively, its scales multiplied out to float32 right
+    before the call: the very floats a kernel of float32 scales per group holds, so the two
+    give equal outputs; and the jnp path's within the kernel's summation order."""
+    fmt = SUPER_FORMATS[name]
+    q = _super_kernel(fmt, 512, 96)
+    scales, mins = group_scales(q, jnp)
+    old = from_codes(np.asarray(unpacked_codes(q, jnp)), np.asarray(scales),
+                     None if mins is None else np.asarray(mins),
+                     dataclasses.replace(fmt, scale_dtype="float32", super_group=None))
+    old = old.map(jnp.asarray)
+    np.testing.assert_array_equal(dequantize(old, xp=jnp), dequantize(q, xp=jnp))
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((rows, 512)), jnp.float32)
+    want = jax.jit(lambda x, q: quantized_matmul("nd,df->nf", x, q))(x, q)
+    with native_dot.enabled():
+        lowered = jax.jit(lambda x, q: quantized_matmul("nd,df->nf", x, q)).lower(x, q)
+        got_old = jax.jit(lambda x, q: quantized_matmul("nd,df->nf", x, q))(x, old)
+    assert _target(fmt) in lowered.as_text()
+    got = lowered.compile()(x, q)
+    np.testing.assert_array_equal(got, got_old)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
@@ -190,6 +240,25 @@ def test_the_native_table_head_matches_the_jnp_path(has_mins, rows):
     scales = rng.uniform(0.001, 0.02, (101, 2))
     table = from_codes(codes, scales, -8 * scales if has_mins else None, fmt).map(jnp.asarray)
     x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
+    want = jax.jit(lambda x, t: table_logits(x, t))(x, table)
+    with native_dot.enabled():
+        lowered = jax.jit(lambda x, t: table_logits(x, t)).lower(x, table)
+    assert native_dot.TABLE_TARGET in lowered.as_text()
+    np.testing.assert_allclose(lowered.compile()(x, table), want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 9])
+def test_the_native_table_head_reads_a_k_quant_table(rows):
+    """A Q6_K table kept in 8 bits with its int8 sub-scales and a float32 d per 256: the head's
+    native kernel gets their products, and gives the jnp path's logits."""
+    from meshserve.model.quantized_table import table_logits
+
+    fmt = dataclasses.replace(SUPER_FORMATS["q6_k int8"], num_out=0)
+    rng = np.random.default_rng(4)
+    table = from_codes(rng.integers(-32, 32, (101, 16, 16)), rng.integers(-128, 128, (101, 16)),
+                       None, fmt, super_scales=rng.uniform(1e-5, 1e-4, (101, 1)))
+    table = table.map(jnp.asarray)
+    x = jnp.asarray(rng.standard_normal((rows, 256)), jnp.float32)
     want = jax.jit(lambda x, t: table_logits(x, t))(x, table)
     with native_dot.enabled():
         lowered = jax.jit(lambda x, t: table_logits(x, t)).lower(x, table)

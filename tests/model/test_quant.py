@@ -16,10 +16,13 @@ from meshserve.model.config import ModelConfig
 from meshserve.model.executor.steps import forward_dense
 from meshserve.model.layers import Dense
 from meshserve.model.loading import load_gguf
-from meshserve.model.loading.gguf_blocks import BLOCK_TYPES, decode_blocks
+from meshserve.model.loading.checkpoint import load_checkpoint, read_manifest, save_checkpoint
+from meshserve.model.loading.gguf_blocks import (BLOCK_TYPES, CanonicalLayout, decode_blocks,
+                                                 float_scaled, float_scales_format, kept_format,
+                                                 regrouped)
 from meshserve.model.loading.pretrained import scheme_plans
-from meshserve.model.quant_formats import (QuantFormat, QuantizedArray, auto_keep_bits, dequantize,
-                                           from_codes, quantize, scheme_format)
+from meshserve.model.quant_formats import (QuantFormat, QuantizedArray, auto_keep_bits, describe,
+                                           dequantize, from_codes, quantize, scheme_format)
 from meshserve.model.quantized_kernel import QuantizedKernel, quantized_matmul
 from meshserve.model.quantized_weights import quantize_model, quantized_arrays, weight_bytes
 from meshserve.model.transformer import create_model, model_from_params
@@ -130,11 +133,18 @@ def random_blocks(qtype: GGML, rows: int, width: int, seed: int = 0,
 
 @pytest.mark.parametrize("qtype", list(BLOCK_TYPES))
 def test_block_fields_give_what_gguf_dequantizes(qtype):
+    """Codes, and scales and mins per group (a K-quant's as float32 products of its integer
+    sub-scales and its super-block's d and -dmin, `float_scaled`), give gguf's values."""
     raw = random_blocks(qtype, 6, 512)
     blocks = decode_blocks(raw, qtype, (6, 512))
     low, high = BLOCK_TYPES[qtype].code_range
     assert low <= blocks.codes.min() and blocks.codes.max() <= high
     assert blocks.codes.min() < low + 4 and blocks.codes.max() > high - 4  # the range is used
+    if BLOCK_TYPES[qtype].super_block:  # integer sub-scales, a float32 d (and -dmin) per 256
+        assert blocks.scales.dtype == np.dtype(BLOCK_TYPES[qtype].scale_dtype)
+        assert blocks.super_scales.shape == (6, 2) and blocks.super_scales.dtype == np.float32
+        assert blocks.scales.max() > (60 if qtype != GGML.Q6_K else 120)  # 6 bits, or 8
+        blocks = float_scaled(blocks)
     scales = np.repeat(blocks.scales.astype(np.float32), blocks.group, axis=1)
     values = blocks.codes.astype(np.float32) * scales
     if blocks.mins is not None:
@@ -223,9 +233,10 @@ def test_auto_keeps_every_block_type_that_fits_and_leaves_the_rest_float(quantiz
     take (Q4 types in 4, Q5_0 and Q5_1 in 5, Q6_K in 6, Q8_0 in 8); on the CPU without them
     every block in int8 containers; exactly, either way. A kernel whose layers mix block types
     is kept in one format that holds both: up (Q5_K and Q8_0) in 8 bits with mins and float32
-    scales, down (Q6_K and Q4_K) in 6 bits, its codes offset by 32; no kernel of a quantized
-    file stays float. Its tied Q8_0 embedding table is kept on a GPU and with native kernels;
-    on the CPU without them, where the LM head reads a float table faster, it is dequantized."""
+    scales, down (Q6_K and Q4_K) in 6 bits, its codes offset by 32, with int8 sub-scales and a
+    float32 super scale per 256; no kernel of a quantized file stays float. Its tied Q8_0
+    embedding table is kept on a GPU and with native kernels; on the CPU without them, where the
+    LM head reads a float table faster, it is dequantized."""
     _, floats = load_gguf(quantized_gguf)
     _, params = load_gguf(quantized_gguf, plans=scheme_plans("auto", platform=platform,
                                                              native=native))
@@ -236,14 +247,227 @@ def test_auto_keeps_every_block_type_that_fits_and_leaves_the_rest_float(quantiz
                if isinstance(value, QuantizedArray)}
     # down: Q6_K's groups of 16 without mins and Q4_K's of 32 with them, in one format
     assert (formats["down"].group, formats["down"].has_mins) == (16, True)
-    assert formats["down"].scale_dtype == "float32"
+    assert (formats["down"].scale_dtype, formats["down"].super_group) == ("int8", 256)
+    assert (formats["gate"].scale_dtype, formats["gate"].super_group) == ("uint8", 256)  # Q4_K
+    # up: Q5_K with Q8_0, whose float16 scales have no super-block: float32 scales per group
     assert (formats["up"].group, formats["up"].has_mins) == (32, True)
+    assert (formats["up"].scale_dtype, formats["up"].super_group) == ("float32", None)
     if want_bits["v"] == 5:  # Q5_0's signed codes stored from 0; Q5_1's are unsigned
         assert (formats["v"].offset, formats["o"].offset, formats["down"].offset) == (16, 0, 32)
     for key, value in params.items():
         want = floats[key]
         got = dequantize(value) if isinstance(value, QuantizedArray) else value
         np.testing.assert_array_equal(got, want, err_msg=key)
+
+
+K_QUANT_STACKS = [(GGML.Q4_K,), (GGML.Q5_K,), (GGML.Q6_K,), (GGML.Q4_K, GGML.Q6_K),
+                  (GGML.Q6_K, GGML.Q5_K, GGML.Q4_K)]
+
+
+@pytest.mark.parametrize("qtypes", K_QUANT_STACKS, ids=lambda t: "+".join(q.name for q in t))
+@pytest.mark.parametrize("keep_bits", [(4, 5, 6, 8), (8,)])
+def test_super_groups_hold_the_weights_that_float32_scales_do(qtypes, keep_bits):
+    """K-quant layers (one type, and stacks that mix them as Q4_K_M does) kept in integer
+    sub-scales times a float32 scale per super group dequantize bit for bit to what the same
+    blocks give with a float32 scale per group (the format before super groups), and to gguf's
+    values; in fewer bytes. The jnp matmul of either gives the same floats."""
+    rows, width = 48, 512
+    raws = [random_blocks(qtype, rows, width, seed=i) for i, qtype in enumerate(qtypes)]
+    fmt = kept_format(qtypes, keep_bits, 1, 1, width)
+    assert fmt.super_group == 256
+    assert fmt.scale_dtype == ("int8" if GGML.Q6_K in qtypes else "uint8")
+    old = float_scales_format(fmt)
+    to_kernel = lambda w: w.T  # noqa: E731 - [out, in] -> [in, out]
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((3, width)), jnp.float32)
+    matmul = jax.jit(lambda x, q: quantized_matmul("nd,df->nf", x, q))
+    for raw, qtype in zip(raws, qtypes):
+        blocks = decode_blocks(raw, qtype, (rows, width))
+        new_q = CanonicalLayout(to_kernel, (rows, width), fmt).quantized(regrouped(blocks, fmt))
+        old_q = CanonicalLayout(to_kernel, (rows, width), old).quantized(regrouped(blocks, old))
+        assert new_q.super_scales.shape == (2, rows) and new_q.scales.dtype == fmt.scale_dtype
+        assert np.array_equal(dequantize(new_q), dequantize(old_q)), qtype.name
+        assert np.array_equal(dequantize(new_q), gguf.quants.dequantize(raw, qtype).T)
+        assert np.array_equal(dequantize(new_q.map(jnp.asarray), xp=jnp), dequantize(new_q))
+        assert new_q.nbytes < old_q.nbytes
+        np.testing.assert_array_equal(matmul(x, new_q.map(jnp.asarray)),
+                                      matmul(x, old_q.map(jnp.asarray)))
+
+
+def test_a_super_group_follows_the_kernels_axis_and_otherwise_float32_scales_are_kept():
+    """Along an axis of 128 (attention's o with heads of 128: its last contracted axis) a super
+    group is the 128 weights of a super-block that it holds, the block's d repeated over each;
+    along 32 a super group would hold one group, so float32 scales per group are smaller; a
+    stack with a non-K-quant layer keeps float32 scales too."""
+    q4k = kept_format([GGML.Q4_K], (4,), 2, 1, 128)
+    assert (q4k.super_group, q4k.scale_dtype) == (128, "uint8")
+    assert kept_format([GGML.Q4_K], (4,), 2, 1, 32).super_group is None
+    mixed = kept_format([GGML.Q4_K, GGML.Q4_0], (4,), 1, 1, 256)
+    assert (mixed.super_group, mixed.scale_dtype) == (None, "float32")
+    raw = random_blocks(GGML.Q4_K, 8, 512, seed=3)
+    blocks = decode_blocks(raw, GGML.Q4_K, (8, 512))
+    # [out, in] -> o's [H, hd, out] with heads of 128: each super-block spans two heads
+    to_kernel = lambda w: w.T.reshape(4, 128, 8)  # noqa: E731
+    q = CanonicalLayout(to_kernel, (8, 512), q4k).quantized(regrouped(blocks, q4k))
+    assert q.super_scales.shape == (4, 1, 8) and q.scales.shape == (4, 4, 8)
+    np.testing.assert_array_equal(dequantize(q), to_kernel(gguf.quants.dequantize(raw,
+                                                                                  GGML.Q4_K)))
+
+
+def test_super_groups_that_cross_super_blocks_are_refused_by_the_layout():
+    """A conversion that interleaves two super-blocks' groups (whole groups of 32, so each
+    group is still one block's) cannot keep one super scale per super group: the layout says
+    so, and the loader then keeps float32 scales per group. Reversing the groups' order keeps
+    each super group within one super-block, and is kept."""
+    fmt = kept_format([GGML.Q4_K], (4,), 1, 1, 512)
+
+    def interleaved(w):  # [out, in] -> [in, out], groups 0, 8, 1, 9, ... of the row
+        return w.T.reshape(2, 8, 32, -1).transpose(1, 0, 2, 3).reshape(512, -1)
+
+    def reversed_groups(w):  # [out, in] -> [in, out], groups 15, 14, ... of the row
+        return w.T.reshape(16, 32, -1)[::-1].reshape(512, -1)
+
+    with pytest.raises(ValueError, match="super-blocks do not line up"):
+        CanonicalLayout(interleaved, (8, 512), fmt)
+    CanonicalLayout(interleaved, (8, 512), float_scales_format(fmt))
+    raw = random_blocks(GGML.Q4_K, 8, 512, seed=4)
+    blocks = decode_blocks(raw, GGML.Q4_K, (8, 512))
+    q = CanonicalLayout(reversed_groups, (8, 512), fmt).quantized(regrouped(blocks, fmt))
+    np.testing.assert_array_equal(dequantize(q), reversed_groups(
+        gguf.quants.dequantize(raw, GGML.Q4_K)))
+
+
+Q4_K_M_DIMS = dict(D=256, F=512, L=8, H=2, K=1, V=256)  # heads of 128, as Llama 3 8B's
+
+
+def use_more_bits(layer: int, num_layers: int) -> bool:
+    """llama.cpp's rule for the layers a Q4_K_M file spends Q6_K on in attn_v and ffn_down."""
+    return (layer < num_layers // 8 or layer >= 7 * num_layers // 8
+            or (layer - num_layers // 8) % 3 == 2)
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_gguf(tmp_path_factory):
+    """A GGUF laid out as llama.cpp's Q4_K_M lays out a Llama: every kernel Q4_K, but attn_v
+    and ffn_down Q6_K on the layers `use_more_bits` picks (0, 3, 6 and 7 of 8), and the tied
+    embedding Q6_K; random K-quant blocks with weights of about 0.05 (gguf's package cannot
+    quantize to them)."""
+    d = Q4_K_M_DIMS
+    hf = {"hidden_size": d["D"], "intermediate_size": d["F"], "num_hidden_layers": d["L"],
+          "num_attention_heads": d["H"], "num_key_value_heads": d["K"], "vocab_size": d["V"],
+          "tie_word_embeddings": True, "model_type": "llama"}
+    tensors = gguf_llama_tensors(hf_llama_tensors(hf), L=d["L"], H=d["H"], K=d["K"],
+                                 permute=True)
+    for seed, name in enumerate(list(tensors)):
+        parts = name.split(".")
+        if name == "token_embd.weight":
+            qtype = GGML.Q6_K
+        elif parts[0] == "blk" and parts[2] != "attn_norm" and parts[2] != "ffn_norm":
+            more = parts[2] in ("attn_v", "ffn_down") and use_more_bits(int(parts[1]), d["L"])
+            qtype = GGML.Q6_K if more else GGML.Q4_K
+        else:
+            continue
+        tensors[name] = random_blocks(qtype, *tensors[name].shape, seed=seed, scale=2e-4), qtype
+    path = tmp_path_factory.mktemp("gguf") / "q4_k_m.gguf"
+    return write_gguf(path, "llama", gguf_llama_metadata("llama", **d), tensors)
+
+
+def test_a_q4_k_m_files_kernels_keep_the_files_scales(q4_k_m_gguf):
+    """auto, as the engine loads on the CPU with native kernels: every kernel kept exactly,
+    its K-quant scales as the file's integer sub-scales times a float32 d (and -dmin) per
+    super group, and their bytes against the file's tensors (arithmetic of the formats, bits a
+    weight):
+    - q, k, gate, up (Q4_K): 4 codes + 0.5 sub-scales and mins + 0.25 d and dmin = 4.75
+      against the file's 4.5, 1.056x (with float32 scales per group they were 6, 1.33x);
+    - o (Q4_K along heads of 128: a super group of 128) 5.0, 1.111x;
+    - v and down (Q4_K and Q6_K layers in one stack: 6-bit codes, groups of 16 with mins,
+      int8 sub-scales) 7.25 against 4.5 and 6.5625, 1.311x here (was 10 bits, 1.81x): every
+      layer spends the union of the codes' bits;
+    - the tied Q6_K table, read by the native head in 8-bit containers: 8.625 against 6.5625.
+    """
+    reader = gguf.GGUFReader(str(q4_k_m_gguf))
+    file_bytes = {}
+    for tensor in reader.tensors:
+        kind = tensor.name.split(".")[-2]
+        file_bytes[kind] = file_bytes.get(kind, 0) + int(tensor.n_bytes)
+    _, floats = load_gguf(q4_k_m_gguf)
+    _, params = load_gguf(q4_k_m_gguf, plans=scheme_plans("auto", platform="cpu", native=True))
+    tensor_of = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
+                 "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down",
+                 "embed": "token_embd"}
+    nbytes, formats = {}, {}
+    for key, value in params.items():
+        if not isinstance(value, QuantizedArray):
+            assert not key.endswith(("/kernel", "/embedding")), key  # no kernel left float
+            continue
+        np.testing.assert_array_equal(dequantize(value), floats[key], err_msg=key)
+        name = key.split("/")[-2]
+        formats[name], nbytes[name] = value.format, value.nbytes
+    assert set(formats) == set(tensor_of)
+    ratio = {name: nbytes[name] / file_bytes[tensor_of[name]] for name in nbytes}
+    shape = lambda f: (f.bits, f.group, f.has_mins, f.scale_dtype, f.super_group)  # noqa: E731
+    for name in ("q", "k", "gate", "up"):
+        assert shape(formats[name]) == (4, 32, True, "uint8", 256), name
+        assert ratio[name] == pytest.approx(4.75 / 4.5), name
+    assert shape(formats["o"]) == (4, 32, True, "uint8", 128)
+    assert ratio["o"] == pytest.approx(5.0 / 4.5)
+    for name in ("v", "down"):  # 4 of 8 layers Q6_K (6.5625 bits), 4 Q4_K (4.5)
+        assert shape(formats[name]) == (6, 16, True, "int8", 256), name
+        assert ratio[name] == pytest.approx(7.25 / ((6.5625 + 4.5) / 2)), name
+    assert describe(formats["down"]) == ("6 bits, groups of 16, mins, int8 scales x float32 per "
+                                         "256, codes offset by 32")  # as the tools print it
+    assert shape(formats["embed"]) == (8, 16, False, "int8", 256)
+    assert ratio["embed"] == pytest.approx(8.625 / 6.5625)
+    uniform = ("q", "k", "gate", "up", "o")  # the kernels of one block type: within 10%
+    assert sum(nbytes[n] for n in uniform) / sum(file_bytes[tensor_of[n]] for n in uniform) \
+        == pytest.approx((360448 * 4.75 + 65536 * 5.0) / (425984 * 4.5))  # 1.064x
+    # Every kernel: 1.143x, above the 10% by the mixed stacks' codes; with the table 1.166x.
+    kernels = [n for n in nbytes if n != "embed"]
+    assert sum(nbytes[n] for n in kernels) / sum(file_bytes[tensor_of[n]] for n in kernels) \
+        == pytest.approx((360448 * 4.75 + 65536 * 5.0 + 163840 * 7.25)
+                         / (425984 * 4.5 + 163840 * (6.5625 + 4.5) / 2))
+
+
+def test_super_groups_round_trip_through_a_checkpoint(q4_k_m_gguf, tmp_path):
+    """A checkpoint stores a kernel's super scales and mins beside its codes and integer
+    scales, and its manifest the format; loading it back gives every array bit for bit."""
+    config, params = load_gguf(q4_k_m_gguf, plans=scheme_plans("auto", platform="cpu",
+                                                               native=True))
+    model = model_from_params(config, params)
+    directory = save_checkpoint(model, None, tmp_path / "ckpt")
+    manifest = read_manifest(directory)
+    assert manifest.quantized["layers/mlp/down/kernel"].super_group == 256
+    assert "layers/mlp/down/kernel/super_mins" in manifest.params
+    _, restored, _ = load_checkpoint(directory)
+    for key, q in quantized_arrays(model).items():
+        back = quantized_arrays(restored)[key]
+        assert back.format == q.format and set(back.arrays()) == set(q.arrays()), key
+        for name, array in q.arrays().items():
+            np.testing.assert_array_equal(np.asarray(back.arrays()[name]), np.asarray(array))
+            assert back.arrays()[name].dtype == array.dtype, (key, name)
+
+
+@pytest.mark.slow
+def test_gemma_3_270m_weight_bytes_against_its_file():
+    """The real Gemma 3 270M Q4_K_M as the engine loads it on the CPU (auto, native kernels):
+    its Q4_K attention output and its Q4_K/Q6_K ffn_down in super groups, no kernel float,
+    and its weight bytes against the file's tensor bytes (printed; the Q8_0 table, 65% of the
+    file, is held as it is)."""
+    from meshserve.model import gguf_reader
+    from meshserve.model.loading.hub import resolve_model
+    from meshserve.model.loading.pretrained import load_pretrained
+
+    files = resolve_model("gemma-3-270m")
+    file_bytes = sum(t.data.nbytes for t in gguf_reader.open_gguf(files.path).tensors.values())
+    model = load_pretrained(str(files.path), quantization="auto", native_kernels=True).model
+    formats = {key: q.format for key, q in quantized_arrays(model).items()}
+    assert len(formats) == 8  # the seven kernels and the table
+    shape = lambda f: (f.bits, f.group, f.scale_dtype, f.super_group)  # noqa: E731
+    assert shape(formats["layers/attn/o/kernel"]) == (4, 32, "uint8", 256)
+    assert shape(formats["layers/mlp/down/kernel"]) == (6, 16, "int8", 256)
+    ratio = weight_bytes(model) / file_bytes
+    print(f"gemma-3-270m: {weight_bytes(model):,} bytes of weights, {file_bytes:,} in the "
+          f"file's tensors, {ratio:.3f}x")
+    assert ratio < 1.03
 
 
 def test_auto_follows_the_default_backend():

@@ -31,7 +31,8 @@ from tests.model.test_quant import _f32_buffers
 from tests.serving.test_meshes import ENGINE, _assert_same, _run, _tiny_requests
 
 # The layouts a GGUF table arrives in: Q8_0 (groups of 32, float16 scales), Q6_K-like (groups of
-# 16, float32 scales), a mixed kernel's common format (mins), and a 4-bit one (Q4_0 on a GPU).
+# 16, float32 scales), a mixed kernel's common format (mins), a 4-bit one (Q4_0 on a GPU), and
+# Q6_K as a file's K-quant table is kept (int8 sub-scales times a float32 scale per 64 here).
 FORMATS = {
     "q8_0": QuantFormat(bits=8, group=32, num_contracted=1, num_out=0, has_mins=False,
                         scale_dtype="float16"),
@@ -39,6 +40,8 @@ FORMATS = {
     "mins": QuantFormat(bits=8, group=16, num_contracted=1, num_out=0, has_mins=True),
     "int4": QuantFormat(bits=4, group=32, num_contracted=1, num_out=0, has_mins=True,
                         scale_dtype="float16"),
+    "q6_k super": QuantFormat(bits=8, group=16, num_contracted=1, num_out=0, has_mins=False,
+                              scale_dtype="int8", super_group=64),
 }
 
 
@@ -47,6 +50,9 @@ def _table(fmt: QuantFormat, vocab: int = 100, dim: int = 64, seed: int = 0):
     rng = np.random.default_rng(seed)
     low, high = (-127, 127) if fmt.bits == 8 and not fmt.has_mins else (0, 2 ** fmt.bits - 1)
     codes = rng.integers(low, high + 1, (vocab, dim // fmt.group, fmt.group))
+    if fmt.super_group:  # 8-bit sub-scales, a float32 scale per super group
+        return from_codes(codes, rng.integers(-128, 128, (vocab, dim // fmt.group)), None, fmt,
+                          super_scales=rng.uniform(1e-5, 1e-4, (vocab, dim // fmt.super_group)))
     scales = rng.uniform(0.001, 0.02, (vocab, dim // fmt.group))
     mins = -rng.uniform(0.0, 0.1, scales.shape) if fmt.has_mins else None
     return from_codes(codes, scales, mins, fmt)

@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from meshserve.batching.sampling import SamplingParams
+from meshserve.model.loading import load_gguf
 from meshserve.model.loading.checkpoint import load_checkpoint, read_manifest, save_checkpoint
+from meshserve.model.loading.pretrained import scheme_plans
 from meshserve.model.config import ModelConfig
 from meshserve.model.quantized_weights import quantize_model, quantized_arrays
 from meshserve.model.transformer import model_from_params
@@ -16,6 +19,7 @@ from meshserve.serving.engine.engine_config import EngineConfig
 from meshserve.serving.engine.core import Engine
 from meshserve.sharding.sharded_loading import load_sharded
 from tests.conftest import random_params
+from tests.model.test_quant import q4_k_m_gguf  # noqa: F401 - a fixture
 from tests.serving.test_meshes import ENGINE, _assert_same, _run, _tiny_requests
 
 # head_dim 32: the o projection's contracted head_dim divides into int4 groups of 32. Three
@@ -101,3 +105,26 @@ def test_quantized_experts_on_an_expert_parallel_mesh_match_one_device():
         array = gate[name].get_value()
         assert array.sharding.spec[1] == "model", name  # [L, E, ...]: the experts split
         assert array.addressable_shards[0].data.shape[1] == 2, name
+
+
+@pytest.mark.slow
+def test_k_quant_super_groups_on_a_tensor_parallel_mesh_match_one_device(q4_k_m_gguf):  # noqa: F811
+    """A Q4_K_M-like file's kernels kept with their integer sub-scales and float32 scales per
+    super group: on model=2 the super scales split as their scales do (down's along its
+    contracted ffw axis, o's along its heads), and the engine gives one device's tokens."""
+    config, params = load_gguf(q4_k_m_gguf, plans=scheme_plans("auto", platform="cpu"))
+    model = model_from_params(config, params)
+    rng = np.random.default_rng(1)
+    requests = [(rng.integers(3, config.vocab_size, size=length).tolist(),
+                 SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5))
+                for length in (5, 17, 30)]
+    engine_config = ENGINE | dict(max_model_len=64)
+    want = _run(Engine.from_model(model, None, EngineConfig(**engine_config)), requests)
+    engine = Engine.from_model(model, None, EngineConfig(mesh="model=2", **engine_config))
+    _assert_same(_run(engine, requests), want)
+    layers = engine.runner.params["layers"]
+    for kernel, split_axis in ((layers["mlp"]["down"]["kernel"], 1),
+                               (layers["attn"]["o"]["kernel"], 1)):
+        for name in ("scales", "super_scales", "super_mins"):
+            spec = tuple(kernel[name].get_value().sharding.spec)
+            assert len(spec) > split_axis and spec[split_axis] == "model", (name, spec)
