@@ -11,6 +11,19 @@ cache), so a GGUF's Q4, Q5 and Q6 blocks stay in the bits the file spends on the
 are split into ranges that run on XLA's intra-op threads and the calling one. A third kernel
 reads a table kept in 8 bits for the tied LM head.
 
+Where the CPU has AVX-512 VNNI (and, for 5 and 6 bits, VBMI), the layer kernels (packed and
+int8 codes in groups of 16 to 64) take integer dots instead: each row of x is rounded per group
+of the kernel to 16 bits of the group's largest |x| (`hi * 256 + lo`, two int8 halves, one float
+scale), and `vpdpbusd` multiplies four codes of a column (transposed in registers from their
+rows; int8 codes plus 128, as unsigned bytes) by four bytes of x, 64 products an instruction,
+into exact int32 sums per group, which then take x's scale, the codes' scale and the minimum
+times x's rounded group sum in floats. The only rounding this adds to the float path is x's: at
+most 1/65024 of its group's largest |x| (the bound `tests/model/test_native_dot.py` holds it to);
+greedy tokens stay those of HF's float model (`tests/model/test_golden.py`). The table kernel
+does the same at several rows of x (16 rows of the table a block, a lane a row); at one row it
+stays in floats, where it reads the table about as fast as memory allows. Without VNNI, the
+float kernels serve everything.
+
 It is built on first use with the system's C++ compiler against jaxlib's FFI headers, into
 `~/.cache/meshserve/native/` (keyed by the source, jax's version and the machine), and
 registered with XLA once per process. No compiler, or a failed build, is `NativeUnavailable`
@@ -150,8 +163,8 @@ def grouped_dot(x: jax.Array, q: QuantizedArray) -> jax.Array:
     """`x [..., K] . dequantized q [K, N]` -> [..., N] through the native kernel."""
     if q.format.bits == 8:
         return _call(TARGET, x, q, q.values.shape[1])
-    return _call(PACKED_TARGET, x, q, q.values.shape[1], bits=np.int64(q.format.bits),
-                 offset=np.int64(q.format.offset))
+    return _call(PACKED_TARGET, x, q, q.values.shape[1], keep_float16=True,
+                 bits=np.int64(q.format.bits), offset=np.int64(q.format.offset))
 
 
 def serves_table(x: jax.Array, table: QuantizedArray) -> bool:
@@ -171,25 +184,34 @@ def _served(x: jax.Array, q: QuantizedArray, *, num_out: int, bits: tuple[int, .
             and fmt.num_out == num_out and q.values.ndim == 2 and x.dtype == jnp.float32)
 
 
-def _call(target: str, x: jax.Array, q: QuantizedArray, width: int, **attributes) -> jax.Array:
+def _call(target: str, x: jax.Array, q: QuantizedArray, width: int, *,
+          keep_float16: bool = False, **attributes) -> jax.Array:
     """`target` on x's rows, q's codes and its scales and mins in float32 (no mins: an empty
-    array) -> [..., width].
+    array) -> [..., width]. With `keep_float16` (the packed kernel, which reads them so), float16
+    scales and mins are passed as they are: XLA's conversion would write twice their bytes
+    before each call, which at one row of x costs about as much as reading the codes.
 
-    The kernels read one float32 scale (and min) per group. A format in super groups (a
-    K-quant's integer sub-scales times a float32 scale per 256 weights) has them computed here,
-    by XLA, right before the call (`group_scales`, exact): a buffer of 4 bytes per group and
-    array, written and read again every call (0.25 bytes a weight for a 4-bit kernel in groups
-    of 32 with mins, beside its 0.59 of codes, integer scales and super scales). Inside the layer
-    scan a format of float32 scales costs the same write: XLA hands the call a copy of the
-    layer's slice of the stacked scales. Measured: no difference beyond the noise. Gemma 3 270M's
-    Q4_K_M (o and down in super groups), its one-row decode step as `meshserve roofline
-    --context 128 --batch 1` times it, 11 interleaved runs against the same kernels with float32
-    scales per group: median 54.7 ms (min 46.7) against 55.2 (min 49.1); 30 layers of 4-bit
-    768 x 2048 SwiGLU MLPs at one row: 25.8 ms against 27.7 (minimum of 15)."""
+    A format in super groups (a K-quant's integer sub-scales times a float32 scale per 256
+    weights) has its float32 scales computed here, by XLA, right before the call
+    (`group_scales`, exact): a buffer of 4 bytes per group and array, written and read again
+    every call (0.25 bytes a weight for a 4-bit kernel in groups of 32 with mins, beside its 0.59
+    of codes, integer scales and super scales). Inside the layer scan a format of float32 scales
+    costs the same write: XLA hands the call a copy of the layer's slice of the stacked scales.
+    Measured (before the packed kernel read float16 scales): no difference beyond the noise.
+    Gemma 3 270M's Q4_K_M (o and down in super groups), its one-row decode step as `meshserve
+    roofline --context 128 --batch 1` times it, 11 interleaved runs against the same kernels with
+    float32 scales per group: median 54.7 ms (min 46.7) against 55.2 (min 49.1); 30 layers of
+    4-bit 768 x 2048 SwiGLU MLPs at one row: 25.8 ms against 27.7 (minimum of 15)."""
     rows = x.reshape(-1, x.shape[-1])
     out = jax.ShapeDtypeStruct((rows.shape[0], width), jnp.float32)
-    scales, mins = group_scales(q, jnp)
-    mins = mins if mins is not None else jnp.zeros((0, 0), jnp.float32)
+    halves = q.scales.dtype == jnp.float16 and (q.mins is None or q.mins.dtype == jnp.float16)
+    if q.format.super_group is None and keep_float16 and halves:
+        scales, mins = q.scales, q.mins
+        empty = jnp.float16
+    else:
+        scales, mins = group_scales(q, jnp)
+        empty = jnp.float32
+    mins = mins if mins is not None else jnp.zeros((0, 0), empty)
     y = jax.ffi.ffi_call(target, out)(rows, q.values, scales, mins, **attributes)
     return y.reshape(*x.shape[:-1], width)
 

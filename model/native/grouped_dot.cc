@@ -10,12 +10,23 @@
 // AVX-512): 8 rows x 32 outputs of partial sums held in registers while the group's codes are
 // read, each converted once.
 //
-// Both kernels split their outputs into column (or vocabulary) ranges that run on XLA's
+// With AVX-512 VNNI, both layer kernels (int8 codes, and codes packed in 4, 5 or 6 bits:
+// `PackedDot`) take integer dots in groups of 16 to 64. Each row of x is rounded per group to 16
+// bits of the group's largest |x| (two int8 halves), `vpdpbusd` gives each column the exact int32
+// dot of its codes with them, four values of K a lane (the codes transposed from their rows in
+// registers), and the group's sum then takes its scales as a float partial sum does. The only
+// rounding it adds is x's: at most 1/65024 of its group's largest |x|. So does the table kernel at
+// several rows of x (`TableRowsVnni`); at one row it stays in floats. Without VNNI (or for other
+// groups), the float paths.
+//
+// The kernels split their outputs into column (or vocabulary) ranges that run on XLA's
 // intra-op threads and the calling one (`ParallelFor`): each range is claimed from a shared
 // counter, so a task the pool starts late (or never) costs nothing but the caller's time.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -74,7 +85,34 @@ struct Operands {
   const float* s;
   const float* mn;  // nullptr: no minimums
   float* out;
+  // Packed codes' scales and minimums as a file stores them (float16), read in place of s and mn
+  // by the integer path; nullptr: float32 in s and mn.
+  const uint16_t* s_half = nullptr;
+  const uint16_t* mn_half = nullptr;
 };
+
+// A float16 value as float32 (for kernels that read float16 scales through float32 buffers).
+static float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exponent = (h >> 10) & 31;
+  uint32_t mantissa = h & 0x3FFu, bits;
+  if (exponent == 31) {
+    bits = sign | 0x7F800000u | (mantissa << 13);  // infinity, NaN
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: mantissa * 2^-24, normalized
+    uint32_t shifts = 0;
+    while (!(mantissa & 0x400u)) {
+      mantissa <<= 1;
+      ++shifts;
+    }
+    bits = sign | ((113 - shifts) << 23) | ((mantissa & 0x3FFu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
 
 // Checks the shapes: codes [K, N] with scales [K / G, N] (`table` false), or codes [V, D] with
 // scales [V, D / G] (`table` true); `width` is N or V.
@@ -194,6 +232,11 @@ static void GroupedColumns(const Operands& o, int64_t n, int64_t jb, int64_t je)
   }
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// y = x . W through integer dots (below), where they serve W's groups; false where not.
+static bool IntegerGroupedDot(ffi::ThreadPool& pool, const Operands& o, int64_t n, int64_t grain);
+#endif
+
 static ffi::Error GroupedDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                              ffi::Buffer<ffi::S8> codes, ffi::Buffer<ffi::F32> scales,
                              ffi::Buffer<ffi::F32> mins, ffi::ResultBuffer<ffi::F32> y) {
@@ -202,6 +245,9 @@ static ffi::Error GroupedDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (ffi::Error error = Decode(x, codes, scales, mins, y, false, &o, &n); error.failure())
     return error;
   const int64_t grain = ColumnGrain(n, pool);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (IntegerGroupedDot(pool, o, n, grain)) return ffi::Error::Success();
+#endif
   ParallelFor(pool, n, grain, [&](int64_t jb, int64_t je) { GroupedColumns(o, n, jb, je); });
   return ffi::Error::Success();
 }
@@ -395,9 +441,486 @@ static void PackedColumns(const Operands& o, const Packing& p, const uint8_t* c,
   }
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// Integer dots for packed codes (AVX-512 VNNI). Each row of x is rounded per group of G to 16
+// bits of its group's largest |x|: x ~ scale * (hi * 256 + lo), hi and lo int8, scale that
+// largest value / 32512, so x is off by at most half a scale, the only rounding the method
+// adds. `vpdpbusd` multiplies four codes (unsigned bytes) by four bytes of hi (and of lo) into
+// one int32 lane, 64 products an instruction: two of them give each column the exact integer dot
+// of its codes with a group of x; that int32 sum then takes x's scale and the codes' scale (and
+// the minimum times x's rounded group sum) in floats, as the float path's group sums do.
+//
+// `vpdpbusd` wants the four codes of a lane to be four values of K of one column, while the
+// codes are stored as rows of K with N contiguous: four rows of bytes are transposed in registers
+// (`NibbleQuads`) into 4 vectors of 16 columns, each column's dword holding codes k .. k + 3.
+constexpr int32_t kXRange = 127 * 256;  // the largest |hi * 256 + lo|: hi stays in [-127, 127]
+
+// x [M, K] rounded per group of G (G a multiple of 16): x[m, k] ~ scale[m, k / G] *
+// (hi * 256 + lo)[m, k], lo in [-128, 127].
+struct RoundedX {
+  int64_t k, groups;
+  std::vector<int8_t> hi, lo;  // [M, K]
+  std::vector<float> scale;    // [M, K / G]
+  std::vector<int32_t> sum;    // [M, K / G]: the group's sum of hi * 256 + lo
+};
+
+static RoundedX RoundX(const Operands& o) {
+  const int64_t g = o.k / o.groups;
+  RoundedX r{o.k, o.groups, std::vector<int8_t>(o.m * o.k), std::vector<int8_t>(o.m * o.k),
+             std::vector<float>(o.m * o.groups), std::vector<int32_t>(o.m * o.groups)};
+  const __m512i limit = _mm512_set1_epi32(kXRange), half_step = _mm512_set1_epi32(128);
+  for (int64_t i = 0; i < o.m * o.groups; ++i) {  // group i % groups of row i / groups
+    const float* x = o.xs + i * g;
+    __m512 largest = _mm512_setzero_ps();
+    __mmask16 nan = 0;  // max drops NaNs: a NaN in x makes the group's scale NaN, as floats would
+    for (int64_t j = 0; j < g; j += 16) {
+      const __m512 v = _mm512_loadu_ps(x + j);
+      largest = _mm512_max_ps(largest, _mm512_abs_ps(v));
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    }
+    const float top = _mm512_reduce_max_ps(largest);
+    const __m512 inverse = _mm512_set1_ps(top > 0.0f ? kXRange / top : 0.0f);
+    __m512i total = _mm512_setzero_si512();
+    for (int64_t j = 0; j < g; j += 16) {
+      __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + j), inverse));  // nearest
+      q = _mm512_max_epi32(_mm512_min_epi32(q, limit),
+                           _mm512_sub_epi32(_mm512_setzero_si512(), limit));
+      const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(q, half_step), 8);  // q rounded / 256
+      const __m512i lo = _mm512_sub_epi32(q, _mm512_slli_epi32(hi, 8));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(r.hi.data() + i * g + j),
+                       _mm512_cvtepi32_epi8(hi));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(r.lo.data() + i * g + j),
+                       _mm512_cvtepi32_epi8(lo));
+      total = _mm512_add_epi32(total, q);
+    }
+    r.scale[i] = nan ? std::numeric_limits<float>::quiet_NaN() : top / kXRange;
+    r.sum[i] = _mm512_reduce_add_epi32(total);
+  }
+  return r;
+}
+
+// A row of 64 bytes of codes (those of `mask`), its dwords reordered so that two levels of
+// in-lane unpacking leave the columns in order: lane L holds columns 4L .. 4L + 3, 16 + 4L ..,
+// 32 + 4L .., 48 + 4L ...
+static inline __m512i RowForUnpack(const uint8_t* row, __mmask64 mask) {
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  return _mm512_permutexvar_epi32(order, _mm512_maskz_loadu_epi8(mask, row));
+}
+
+// Four rows of nibbles from `row` (stride n), 64 columns -> low[v] and high[v], the columns
+// 16 v .. 16 v + 15: a dword a column, whose bytes are the four rows' low nibbles (low) or high
+// ones (high), in row order.
+static inline void NibbleQuads(const uint8_t* row, int64_t n, __mmask64 mask, __m512i low[4],
+                               __m512i high[4]) {
+  const __m512i r0 = RowForUnpack(row, mask), r1 = RowForUnpack(row + n, mask);
+  const __m512i r2 = RowForUnpack(row + 2 * n, mask), r3 = RowForUnpack(row + 3 * n, mask);
+  const __m512i nibble = _mm512_set1_epi8(15);
+  // words [row 0, row 1] (a, b) and [row 2, row 3] (c, d) of a column: a and c the columns of
+  // bytes 0..7 of each lane, b and d those of bytes 8..15
+  const __m512i a = _mm512_unpacklo_epi8(r0, r1), b = _mm512_unpackhi_epi8(r0, r1);
+  const __m512i c = _mm512_unpacklo_epi8(r2, r3), d = _mm512_unpackhi_epi8(r2, r3);
+  const auto low_of = [&](__m512i w) { return _mm512_and_si512(w, nibble); };
+  const auto high_of = [&](__m512i w) { return _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble); };
+  const __m512i al = low_of(a), ah = high_of(a), bl = low_of(b), bh = high_of(b);
+  const __m512i cl = low_of(c), ch = high_of(c), dl = low_of(d), dh = high_of(d);
+  low[0] = _mm512_unpacklo_epi16(al, cl);
+  low[1] = _mm512_unpackhi_epi16(al, cl);
+  low[2] = _mm512_unpacklo_epi16(bl, dl);
+  low[3] = _mm512_unpackhi_epi16(bl, dl);
+  high[0] = _mm512_unpacklo_epi16(ah, ch);
+  high[1] = _mm512_unpackhi_epi16(ah, ch);
+  high[2] = _mm512_unpacklo_epi16(bh, dh);
+  high[3] = _mm512_unpackhi_epi16(bh, dh);
+}
+
+#if defined(__AVX512VBMI__)
+// Codes 4q .. 4q + 3 of a unit of 5- or 6-bit codes (kWidth top bits a code), their nibbles in
+// `quad`: the top bits from `top`, the row that holds them (64 columns), ORed in above each nibble.
+// Each column's top byte is widened to a dword, from which one `vpmultishiftqb` moves code t's bits
+// to bit 4 of byte t (a rotation of the qword of two columns, which reads only zero bytes besides).
+template <int kWidth>
+static inline void AddTopBits(const uint8_t* top, int64_t q, __mmask64 mask, __m512i quad[4]) {
+  const int64_t first = kWidth == 2 ? 0 : 4 * (q % 2);  // bit of code 4q's top bits in its byte
+  uint64_t control = 0;
+  for (int t = 0; t < 4; ++t) {
+    const int64_t bit = first + kWidth * t;
+    control |= static_cast<uint64_t>((bit - 4) & 63) << (8 * t);
+    control |= static_cast<uint64_t>((32 + bit - 4) & 63) << (8 * (t + 4));
+  }
+  const __m512i spread = _mm512_set1_epi64(static_cast<int64_t>(control));
+  const __m512i keep = _mm512_set1_epi8(static_cast<char>(((1 << kWidth) - 1) << 4));
+  for (int v = 0; v < 4; ++v) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(
+        _mm_maskz_loadu_epi8(static_cast<__mmask16>(mask >> (16 * v)), top + 16 * v));
+    quad[v] = _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(spread, bytes), keep, quad[v],
+                                        0xEA);  // (spread & keep) | quad
+  }
+}
+#endif
+
+// Codes of unit rows 4 rb .. 4 rb + 3 of nibbles, 64 columns from `base` (the unit's first row at
+// the block's first column): codes 4 rb .. 4 rb + 3 of the unit (low) and half + 4 rb .. (high),
+// with their top bits for 5 and 6 bits.
+template <int kWidth>
+static inline void DecodeQuads(const uint8_t* base, int64_t n, int64_t half, int64_t rb,
+                               __mmask64 mask, __m512i low[4], __m512i high[4]) {
+  NibbleQuads(base + 4 * rb * n, n, mask, low, high);
+#if defined(__AVX512VBMI__)
+  if constexpr (kWidth > 0) {
+    const int64_t per_byte = 8 / kWidth, q_low = rb, q_high = half / 4 + rb;
+    AddTopBits<kWidth>(base + (half + 4 * q_low / per_byte) * n, q_low, mask, low);
+    AddTopBits<kWidth>(base + (half + 4 * q_high / per_byte) * n, q_high, mask, high);
+  }
+#endif
+}
+
+// Four bytes of x (values k .. k + 3 of its hi or lo) in every lane, as `vpdpbusd` pairs them.
+static inline __m512i FourBytes(const int8_t* bytes) {
+  int32_t word;
+  std::memcpy(&word, bytes, sizeof word);
+  return _mm512_set1_epi32(word);
+}
+
+// The next unit's rows of the block starting at `next` (its first row) fetched into cache while
+// this one is multiplied: the rows of a block are 16 or more streams at a stride of N, which the
+// hardware's prefetchers do not follow far enough ahead on their own.
+static inline void PrefetchUnit(const uint8_t* next, int64_t n, int64_t rows) {
+  for (int64_t r = 0; r < rows; ++r)
+    _mm_prefetch(reinterpret_cast<const char*>(next + r * n), _MM_HINT_T0);
+}
+
+static inline __mmask64 ColumnMask(int64_t count) {
+  return count >= 64 ? ~__mmask64{0} : (__mmask64{1} << count) - 1;
+}
+
+// 16 scales or minimums [K / G, N] from `at` (those of `keep`), stored as float16 or float32.
+static inline __m512 GroupRow(const float* f, const uint16_t* h, int64_t at, __mmask16 keep) {
+  if (h) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(keep, h + at));
+  return _mm512_maskz_loadu_ps(keep, f + at);
+}
+
+// y[m, j0 .. min(j0 + 64, je)) += group gi's sums of the codes times x's rounded row m (hi * 256
+// + lo; less offset times x's group sum), times x's scale and the codes' scales, plus the codes'
+// minimums times x's rounded group sum.
+static inline void AddGroup(const Operands& o, const Packing& p, const RoundedX& x, int64_t n,
+                            int64_t m, int64_t gi, int64_t j0, int64_t je, const __m512i hi[4],
+                            const __m512i lo[4]) {
+  const float scale = x.scale[m * x.groups + gi];
+  const int32_t sum = x.sum[m * x.groups + gi];
+  const __m512 xs = _mm512_set1_ps(scale), xsum = _mm512_set1_ps(scale * static_cast<float>(sum));
+  const __m512i shift = _mm512_set1_epi32(static_cast<int32_t>(p.offset) * sum);
+  for (int v = 0; v < 4 && j0 + 16 * v < je; ++v) {
+    const int64_t j = j0 + 16 * v;
+    const __mmask16 keep = je - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (je - j)) - 1);
+    const __m512i total =
+        _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi[v], 8), lo[v]), shift);
+    const __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(total), xs);
+    float* y = o.out + m * n + j;
+    __m512 acc = _mm512_fmadd_ps(dot, GroupRow(o.s, o.s_half, gi * n + j, keep),
+                                 _mm512_maskz_loadu_ps(keep, y));
+    if (o.mn || o.mn_half)
+      acc = _mm512_fmadd_ps(xsum, GroupRow(o.mn, o.mn_half, gi * n + j, keep), acc);
+    _mm512_mask_storeu_ps(y, keep, acc);
+  }
+}
+
+// One row of x, outputs [jb, je) of y (zeroed first), packed codes: per unit and block of 64
+// columns, each group of four rows of nibbles is transposed in registers into the codes of two
+// quads of K (its low and its high nibbles), which `vpdpbusd` multiplies by x's hi and lo bytes
+// into int32 sums per column, [group of the unit][16 columns] (a unit holds one group, or two of
+// 16 codes for Q6_K: the low nibbles' and the high ones').
+template <int kWidth, bool kTwoGroups>
+static void PackedOneRowVnni(const Operands& o, const Packing& p, const uint8_t* c, int64_t n,
+                             const RoundedX& x, int64_t jb, int64_t je) {
+  const int64_t g = o.k / o.groups, half = p.unit / 2;
+  std::fill(o.out + jb, o.out + je, 0.0f);
+  constexpr int second = kTwoGroups ? 1 : 0;  // the group of the high nibbles' codes
+  for (int64_t u = 0; u < o.k / p.unit; ++u) {
+    const int64_t k0 = u * p.unit;
+    for (int64_t j0 = jb; j0 < je; j0 += 64) {
+      const uint8_t* base = c + u * p.unit_rows * n + j0;
+      if (u + 1 < o.k / p.unit) PrefetchUnit(base + p.unit_rows * n, n, p.unit_rows);
+      const __mmask64 mask = ColumnMask(je - j0);
+      __m512i hi[2][4], lo[2][4];  // [group of the unit][16 columns]
+      for (int a = 0; a < 2; ++a)
+        for (int v = 0; v < 4; ++v) hi[a][v] = lo[a][v] = _mm512_setzero_si512();
+      for (int64_t rb = 0; rb < half / 4; ++rb) {
+        __m512i low[4], high[4];
+        DecodeQuads<kWidth>(base, n, half, rb, mask, low, high);
+        const int64_t kl = k0 + 4 * rb, kh = k0 + half + 4 * rb;  // their first values of K
+        const __m512i lh = FourBytes(x.hi.data() + kl);
+        const __m512i ll = FourBytes(x.lo.data() + kl);
+        const __m512i hh = FourBytes(x.hi.data() + kh);
+        const __m512i hl = FourBytes(x.lo.data() + kh);
+        for (int v = 0; v < 4; ++v) {
+          hi[0][v] = _mm512_dpbusd_epi32(hi[0][v], low[v], lh);
+          lo[0][v] = _mm512_dpbusd_epi32(lo[0][v], low[v], ll);
+          hi[second][v] = _mm512_dpbusd_epi32(hi[second][v], high[v], hh);
+          lo[second][v] = _mm512_dpbusd_epi32(lo[second][v], high[v], hl);
+        }
+      }
+      for (int a = 0; a <= second; ++a) AddGroup(o, p, x, n, 0, k0 / g + a, j0, je, hi[a], lo[a]);
+    }
+  }
+}
+
+// MR rows of x from m0 against `quads` [count][16 columns], a group's codes for 64 columns decoded
+// (codes k0 + 4 q .. k0 + 4 q + 3 in quads[q]): the int32 sums of MR rows x 64 columns, hi and
+// lo, stay in registers while each quad is read once per MR rows.
+template <int MR>
+static inline void RowsMicroVnni(const Operands& o, const Packing& p, const RoundedX& x, int64_t n,
+                                 const __m512i (*quads)[4], int64_t count, int64_t k0, int64_t gi,
+                                 int64_t m0, int64_t j0, int64_t je) {
+  __m512i hi[MR][4], lo[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < 4; ++v) hi[r][v] = lo[r][v] = _mm512_setzero_si512();
+  for (int64_t q = 0; q < count; ++q)
+    for (int r = 0; r < MR; ++r) {
+      const int64_t k = (m0 + r) * x.k + k0 + 4 * q;
+      const __m512i bh = FourBytes(x.hi.data() + k);
+      const __m512i bl = FourBytes(x.lo.data() + k);
+      for (int v = 0; v < 4; ++v) {
+        hi[r][v] = _mm512_dpbusd_epi32(hi[r][v], quads[q][v], bh);
+        lo[r][v] = _mm512_dpbusd_epi32(lo[r][v], quads[q][v], bl);
+      }
+    }
+  for (int r = 0; r < MR; ++r) AddGroup(o, p, x, n, m0 + r, gi, j0, je, hi[r], lo[r]);
+}
+
+// Several rows of x, outputs [jb, je) of y (zeroed first), packed codes: per unit and block of 64
+// columns, the unit's codes are transposed once into quads (in cache), then each of its groups
+// is multiplied by every row, two rows at a time.
+template <int kWidth, bool kTwoGroups>
+static void PackedRowsVnni(const Operands& o, const Packing& p, const uint8_t* c, int64_t n,
+                           const RoundedX& x, int64_t jb, int64_t je) {
+  const int64_t g = o.k / o.groups, half = p.unit / 2, m = o.m;
+  for (int64_t mi = 0; mi < m; ++mi) std::fill(o.out + mi * n + jb, o.out + mi * n + je, 0.0f);
+  alignas(64) __m512i quads[16][4];  // [quad of K in the unit (unit <= 64)][16 columns]
+  for (int64_t u = 0; u < o.k / p.unit; ++u) {
+    const int64_t k0 = u * p.unit;
+    for (int64_t j0 = jb; j0 < je; j0 += 64) {
+      const uint8_t* base = c + u * p.unit_rows * n + j0;
+      if (u + 1 < o.k / p.unit) PrefetchUnit(base + p.unit_rows * n, n, p.unit_rows);
+      const __mmask64 mask = ColumnMask(je - j0);
+      for (int64_t rb = 0; rb < half / 4; ++rb)
+        DecodeQuads<kWidth>(base, n, half, rb, mask, quads[rb], quads[half / 4 + rb]);
+      for (int64_t k = k0; k < k0 + p.unit; k += g) {
+        const __m512i (*group)[4] = quads + (k - k0) / 4;
+        int64_t m0 = 0;
+        for (; m0 + 2 <= m; m0 += 2)
+          RowsMicroVnni<2>(o, p, x, n, group, g / 4, k, k / g, m0, j0, je);
+        if (m0 < m) RowsMicroVnni<1>(o, p, x, n, group, g / 4, k, k / g, m0, j0, je);
+      }
+    }
+  }
+}
+
+// Four rows of int8 codes from `row` (stride n), 64 columns -> quad[v], the columns 16 v ..
+// 16 v + 15: a dword a column holding the four rows' codes plus 128, as unsigned bytes for
+// `vpdpbusd` (128 times x's group sum comes off after, as a packed code's offset does).
+static inline void ByteQuads(const int8_t* row, int64_t n, __mmask64 mask, __m512i quad[4]) {
+  const uint8_t* r = reinterpret_cast<const uint8_t*>(row);
+  const __m512i r0 = RowForUnpack(r, mask), r1 = RowForUnpack(r + n, mask);
+  const __m512i r2 = RowForUnpack(r + 2 * n, mask), r3 = RowForUnpack(r + 3 * n, mask);
+  const __m512i a = _mm512_unpacklo_epi8(r0, r1), b = _mm512_unpackhi_epi8(r0, r1);
+  const __m512i c = _mm512_unpacklo_epi8(r2, r3), d = _mm512_unpackhi_epi8(r2, r3);
+  const __m512i flip = _mm512_set1_epi8(-128);  // code ^ 0x80 = code + 128 as an unsigned byte
+  quad[0] = _mm512_xor_si512(_mm512_unpacklo_epi16(a, c), flip);
+  quad[1] = _mm512_xor_si512(_mm512_unpackhi_epi16(a, c), flip);
+  quad[2] = _mm512_xor_si512(_mm512_unpacklo_epi16(b, d), flip);
+  quad[3] = _mm512_xor_si512(_mm512_unpackhi_epi16(b, d), flip);
+}
+
+// Int8 codes [K, N] in groups of G (GGUF's Q8_0), outputs [jb, je) of y (zeroed first), every
+// row of x: per group and block of 64 columns, the group's rows transposed into quads (in
+// registers at one row; in cache for several, then multiplied two rows at a time), multiplied
+// as packed codes are, with an offset of 128.
+static void GroupedColumnsVnni(const Operands& o, const RoundedX& x, int64_t n, int64_t jb,
+                               int64_t je) {
+  const int64_t g = o.k / o.groups, m = o.m;
+  const Packing p{8, 128, g, g};
+  for (int64_t mi = 0; mi < m; ++mi) std::fill(o.out + mi * n + jb, o.out + mi * n + je, 0.0f);
+  alignas(64) __m512i quads[16][4];  // [quad of K in the group (G <= 64)][16 columns]
+  for (int64_t gi = 0; gi < o.groups; ++gi) {
+    for (int64_t j0 = jb; j0 < je; j0 += 64) {
+      const int8_t* base = o.c + gi * g * n + j0;
+      if (gi + 1 < o.groups) PrefetchUnit(reinterpret_cast<const uint8_t*>(base + g * n), n, g);
+      const __mmask64 mask = ColumnMask(je - j0);
+      if (m == 1) {
+        __m512i hi[4], lo[4];  // [16 columns]: int sums of the codes (plus 128) x hi / x lo
+        for (int v = 0; v < 4; ++v) hi[v] = lo[v] = _mm512_setzero_si512();
+        for (int64_t q = 0; q < g / 4; ++q) {
+          __m512i quad[4];
+          ByteQuads(base + 4 * q * n, n, mask, quad);
+          const __m512i bh = FourBytes(x.hi.data() + gi * g + 4 * q);
+          const __m512i bl = FourBytes(x.lo.data() + gi * g + 4 * q);
+          for (int v = 0; v < 4; ++v) {
+            hi[v] = _mm512_dpbusd_epi32(hi[v], quad[v], bh);
+            lo[v] = _mm512_dpbusd_epi32(lo[v], quad[v], bl);
+          }
+        }
+        AddGroup(o, p, x, n, 0, gi, j0, je, hi, lo);
+        continue;
+      }
+      for (int64_t q = 0; q < g / 4; ++q) ByteQuads(base + 4 * q * n, n, mask, quads[q]);
+      int64_t m0 = 0;
+      for (; m0 + 2 <= m; m0 += 2)
+        RowsMicroVnni<2>(o, p, x, n, quads, g / 4, gi * g, gi, m0, j0, je);
+      if (m0 < m) RowsMicroVnni<1>(o, p, x, n, quads, g / 4, gi * g, gi, m0, j0, je);
+    }
+  }
+}
+
+static bool IntegerGroupedDot(ffi::ThreadPool& pool, const Operands& o, int64_t n, int64_t grain) {
+  const int64_t g = o.k / o.groups;
+  if (g % 16 || g > 64) return false;
+  const RoundedX rounded = RoundX(o);  // once, before the ranges share it
+  ParallelFor(pool, n, grain,
+              [&](int64_t jb, int64_t je) { GroupedColumnsVnni(o, rounded, n, jb, je); });
+  return true;
+}
+
+// Rows vi .. vi + 15 of the table [V, D] (those of `valid`), 64 values of D from `d0` -> quad[q]
+// for q in 0..15: lane i holds row vi + i's values d0 + 4q .. d0 + 4q + 3 plus 128 (unsigned
+// bytes): a 16 x 16 transpose of dwords, in three steps (pairs of rows, fours, then 128-bit lanes).
+static inline void TableQuads(const int8_t* rows, int64_t d, int64_t d0, __mmask16 valid,
+                              __m512i quad[16]) {
+  const __mmask64 mask = ColumnMask(d - d0);
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i)
+    r[i] = (valid >> i) & 1 ? _mm512_maskz_loadu_epi8(mask, rows + i * d + d0)
+                            : _mm512_setzero_si512();
+  // lane L of t[i]: dwords 4L, 4L + 1 of rows i and i + 1, interleaved; of t[i + 1]: 4L + 2, 4L + 3
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // lane L of r[i + j]: dword 4L + j of rows i .. i + 3
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  const __m512i flip = _mm512_set1_epi8(-128);
+  for (int j = 0; j < 4; ++j) {  // the 128-bit lanes of r[j], r[4 + j], r[8 + j], r[12 + j]
+    const __m512i a = r[j], b = r[4 + j], c = r[8 + j], e = r[12 + j];
+    const __m512i ab01 = _mm512_shuffle_i32x4(a, b, 0x44), ce01 = _mm512_shuffle_i32x4(c, e, 0x44);
+    const __m512i ab23 = _mm512_shuffle_i32x4(a, b, 0xEE), ce23 = _mm512_shuffle_i32x4(c, e, 0xEE);
+    quad[j] = _mm512_xor_si512(_mm512_shuffle_i32x4(ab01, ce01, 0x88), flip);
+    quad[4 + j] = _mm512_xor_si512(_mm512_shuffle_i32x4(ab01, ce01, 0xDD), flip);
+    quad[8 + j] = _mm512_xor_si512(_mm512_shuffle_i32x4(ab23, ce23, 0x88), flip);
+    quad[12 + j] = _mm512_xor_si512(_mm512_shuffle_i32x4(ab23, ce23, 0xDD), flip);
+  }
+}
+
+// MR rows of x from m0 against 16 rows of the table (`quads` [D / 4]: the block's codes plus
+// 128, a lane a row), y[m0 .. m0 + MR, vi .. vi + 15] (those of `valid`): per group, the int32 sums
+// of MR rows x 16 table rows stay in registers, then take x's scale and the rows' scales
+// (`scale` [groups] vectors of 16 rows, and `low` the minimums) into float sums in registers.
+template <int MR>
+static inline void TableRowsMicroVnni(const Operands& o, const RoundedX& x, int64_t v,
+                                      const __m512i* quads, const __m512* scale, const __m512* low,
+                                      int64_t vi, __mmask16 valid, int64_t m0) {
+  const int64_t d = o.k, g = d / o.groups;
+  __m512 y[MR];
+  for (int r = 0; r < MR; ++r) y[r] = _mm512_setzero_ps();
+  for (int64_t gi = 0; gi < o.groups; ++gi) {
+    __m512i hi[MR], lo[MR];
+    for (int r = 0; r < MR; ++r) hi[r] = lo[r] = _mm512_setzero_si512();
+    for (int64_t q = gi * g / 4; q < (gi + 1) * g / 4; ++q)
+      for (int r = 0; r < MR; ++r) {
+        const int64_t k = (m0 + r) * d + 4 * q;
+        hi[r] = _mm512_dpbusd_epi32(hi[r], quads[q], FourBytes(x.hi.data() + k));
+        lo[r] = _mm512_dpbusd_epi32(lo[r], quads[q], FourBytes(x.lo.data() + k));
+      }
+    for (int r = 0; r < MR; ++r) {
+      const float xs = x.scale[(m0 + r) * o.groups + gi];
+      const int32_t sum = x.sum[(m0 + r) * o.groups + gi];
+      const __m512i total = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi[r], 8), lo[r]),
+                                             _mm512_set1_epi32(128 * sum));
+      y[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(total), _mm512_set1_ps(xs)),
+                             scale[gi], y[r]);
+      if (o.mn) y[r] = _mm512_fmadd_ps(_mm512_set1_ps(xs * static_cast<float>(sum)), low[gi], y[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(o.out + (m0 + r) * v + vi, valid, y[r]);
+}
+
+// Vocabulary rows [vb, ve) of the tied LM head for several rows of x, int8 codes in groups of 16
+// to 64 along D: per block of 16 rows of the table, its codes transposed once into quads (a lane
+// a row of the table, in cache) and its scales (and minimums) into vectors of 16 rows; then
+// every row of x, four at a time, through `vpdpbusd` as the layer kernels do.
+static void TableRowsVnni(const Operands& o, const RoundedX& x, int64_t v, int64_t vb,
+                          int64_t ve) {
+  const int64_t d = o.k, groups = o.groups;
+  std::vector<__m512i> quads(d / 4 + 16);
+  std::vector<__m512> scale(groups), low(groups);
+  const __m512i row = _mm512_mullo_epi32(  // lane i: row i's first scale, i * groups
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+      _mm512_set1_epi32(static_cast<int32_t>(groups)));
+  for (int64_t vi = vb; vi < ve; vi += 16) {
+    const __mmask16 valid = ve - vi >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (ve - vi)) - 1);
+    for (int64_t d0 = 0; d0 < d; d0 += 64)
+      TableQuads(o.c + vi * d, d, d0, valid, quads.data() + d0 / 4);
+    for (int64_t gi = 0; gi < groups; ++gi) {  // row vi + i's scale of group gi in lane i
+      const __m512i at = _mm512_add_epi32(row, _mm512_set1_epi32(static_cast<int32_t>(gi)));
+      scale[gi] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, at, o.s + vi * groups, 4);
+      if (o.mn)
+        low[gi] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, at, o.mn + vi * groups, 4);
+    }
+    int64_t m0 = 0;
+    for (; m0 + 4 <= o.m; m0 += 4)
+      TableRowsMicroVnni<4>(o, x, v, quads.data(), scale.data(), low.data(), vi, valid, m0);
+    for (; m0 < o.m; ++m0)
+      TableRowsMicroVnni<1>(o, x, v, quads.data(), scale.data(), low.data(), vi, valid, m0);
+  }
+}
+
+static bool IntegerTableDot(ffi::ThreadPool& pool, const Operands& o, int64_t v, int64_t grain) {
+  const int64_t g = o.k / o.groups;
+  if (o.m < 2 || g % 16 || g > 64) return false;  // one row: the float kernel, at memory speed
+  const RoundedX rounded = RoundX(o);
+  ParallelFor(pool, v, (grain + 15) / 16 * 16,
+              [&](int64_t vb, int64_t ve) { TableRowsVnni(o, rounded, v, vb, ve); });
+  return true;
+}
+
+// Whether the integer path serves this packing: groups of a multiple of 16 within units of at
+// most 64 codes (every GGUF block type kept packed), and for 5 and 6 bits `vpmultishiftqb`.
+static bool IntegerDotServes(const Operands& o, const Packing& p) {
+  const int64_t g = o.k / o.groups;
+#if !defined(__AVX512VBMI__)
+  if (p.bits != 4) return false;
+#endif
+  return g % 16 == 0 && p.unit <= 64 && p.unit % g == 0 && p.unit / g <= 2 &&
+         (p.bits == 4 || p.unit / 2 == 16);
+}
+
+template <int kWidth, bool kTwoGroups>
+static void PackedColumnsVnni(const Operands& o, const Packing& p, const uint8_t* c, int64_t n,
+                              const RoundedX& x, int64_t jb, int64_t je) {
+  if (o.m == 1) return PackedOneRowVnni<kWidth, kTwoGroups>(o, p, c, n, x, jb, je);
+  PackedRowsVnni<kWidth, kTwoGroups>(o, p, c, n, x, jb, je);
+}
+
+// The integer path for this packing's top bits and groups a unit.
+using IntegerColumns = void (*)(const Operands&, const Packing&, const uint8_t*, int64_t,
+                                const RoundedX&, int64_t, int64_t);
+static IntegerColumns IntegerColumnsFor(const Packing& p, int64_t g) {
+  const bool two = p.unit / g == 2;
+  switch (p.bits) {
+    case 5: return two ? PackedColumnsVnni<1, true> : PackedColumnsVnni<1, false>;
+    case 6: return two ? PackedColumnsVnni<2, true> : PackedColumnsVnni<2, false>;
+    default: return two ? PackedColumnsVnni<0, true> : PackedColumnsVnni<0, false>;
+  }
+}
+#endif
+
+// Scales and minimums come as float32 or as float16 (a file's Q4/Q5 blocks): the integer path
+// reads float16 in place; the float path converts them once a call.
 static ffi::Error PackedDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                            ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F32> scales,
-                            ffi::Buffer<ffi::F32> mins, ffi::ResultBuffer<ffi::F32> y,
+                            ffi::Buffer<ffi::U8> codes, ffi::AnyBuffer scales,
+                            ffi::AnyBuffer mins, ffi::ResultBuffer<ffi::F32> y,
                             int64_t bits, int64_t offset) {
   const auto xd = x.dimensions(), cd = codes.dimensions(), sd = scales.dimensions();
   if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2)
@@ -411,10 +934,40 @@ static ffi::Error PackedDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return ffi::Error::InvalidArgument("codes do not pack x's contracted axis");
   const auto md = mins.dimensions();
   const bool has_mins = md.size() == 2 && md[0] == groups && md[1] == n;
-  const Operands o{xd[0], k, groups, x.typed_data(), nullptr, scales.typed_data(),
-                   has_mins ? mins.typed_data() : nullptr, y->typed_data()};
+  const bool half = scales.element_type() == ffi::DataType::F16;
+  if ((!half && scales.element_type() != ffi::DataType::F32) ||
+      (has_mins && mins.element_type() != scales.element_type()))
+    return ffi::Error::InvalidArgument("scales and mins must both be float32 or float16");
+  Operands o{xd[0], k, groups, x.typed_data(), nullptr, nullptr, nullptr, y->typed_data()};
+  std::vector<float> scales32, mins32;  // the float path's copies of float16 ones
+  if (!half) {
+    o.s = static_cast<const float*>(scales.untyped_data());
+    o.mn = has_mins ? static_cast<const float*>(mins.untyped_data()) : nullptr;
+  } else {
+    o.s_half = static_cast<const uint16_t*>(scales.untyped_data());
+    o.mn_half = has_mins ? static_cast<const uint16_t*>(mins.untyped_data()) : nullptr;
+  }
   const uint8_t* c = codes.typed_data();
   const int64_t grain = ColumnGrain(n, pool);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (IntegerDotServes(o, p)) {
+    const RoundedX rounded = RoundX(o);  // once, before the ranges share it
+    const IntegerColumns columns = IntegerColumnsFor(p, g);
+    ParallelFor(pool, n, grain,
+                [&](int64_t jb, int64_t je) { columns(o, p, c, n, rounded, jb, je); });
+    return ffi::Error::Success();
+  }
+#endif
+  if (half) {
+    scales32.resize(groups * n);
+    for (int64_t i = 0; i < groups * n; ++i) scales32[i] = HalfToFloat(o.s_half[i]);
+    o.s = scales32.data();
+    if (has_mins) {
+      mins32.resize(groups * n);
+      for (int64_t i = 0; i < groups * n; ++i) mins32[i] = HalfToFloat(o.mn_half[i]);
+      o.mn = mins32.data();
+    }
+  }
   ParallelFor(pool, n, grain, [&](int64_t jb, int64_t je) { PackedColumns(o, p, c, n, jb, je); });
   return ffi::Error::Success();
 }
@@ -424,8 +977,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshservePackedDot, PackedDot,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("bits")
                                   .Attr<int64_t>("offset"));
@@ -500,7 +1053,8 @@ static void TableBlock(const Operands& o, int64_t v, const float* rows, int64_t 
 // and D a multiple of 16: one row of x reads each row's codes straight into its dot
 // (`TableOneRowMicro`); several rows dequantize four rows of the table at a time into a buffer
 // in cache, then multiply them by every row of x (four of x at a time), so x is read once per
-// four rows of the table. Otherwise each row of the table is dequantized and dotted plainly.
+// four rows of the table (with VNNI, `TableRowsVnni` instead). Otherwise each row of the table
+// is dequantized and dotted plainly.
 static void TableRows(const Operands& o, int64_t v, int64_t vb, int64_t ve) {
   const int64_t m = o.m, d = o.k, groups = o.groups, g = d / groups;
   constexpr int64_t kBlock = 4;
@@ -557,6 +1111,9 @@ static ffi::Error TableDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (ffi::Error error = Decode(x, codes, scales, mins, y, true, &o, &v); error.failure())
     return error;
   const int64_t grain = std::max<int64_t>(16, 65536 / std::max<int64_t>(o.k, 1)) / 2 * 2;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (IntegerTableDot(pool, o, v, grain)) return ffi::Error::Success();
+#endif
   ParallelFor(pool, v, grain, [&](int64_t vb, int64_t ve) { TableRows(o, v, vb, ve); });
   return ffi::Error::Success();
 }

@@ -64,37 +64,54 @@ def smollm2_golden(golden_dir):
     return json.loads((golden_dir / "smollm2.json").read_text())
 
 
-def _smollm2_kept_blocks(smollm2_files, scheme: str, bits: int):
+def _smollm2_kept_blocks(smollm2_files, scheme: str, bits: set[int],
+                         native_kernels: bool = False):
     """SmolLM2 with its Q4_1 kernels kept as quantized blocks
     (`meshserve.model.quantized_kernel`), where `smollm2_pretrained` dequantizes them to
     float32."""
     from meshserve.model.loading.pretrained import load_pretrained
     from meshserve.model.quantized_weights import quantized_arrays
 
-    model = load_pretrained(str(smollm2_files.path), quantization=scheme).model
-    assert {q.format.bits for q in quantized_arrays(model).values()} == {bits}, scheme
+    model = load_pretrained(str(smollm2_files.path), quantization=scheme,
+                            native_kernels=native_kernels).model
+    assert {q.format.bits for q in quantized_arrays(model).values()} == bits, scheme
     return model
 
 
 @pytest.fixture(scope="module")
 def smollm2_default_quantization(smollm2_files):
     """As the engine loads it by default on the CPU: `auto` keeps the blocks in int8 containers."""
-    return _smollm2_kept_blocks(smollm2_files, EngineConfig().quantization, 8)
+    return _smollm2_kept_blocks(smollm2_files, EngineConfig().quantization, {8})
+
+
+@pytest.fixture(scope="module")
+def smollm2_native_blocks(smollm2_files):
+    """As the engine loads it by default where native kernels run: `auto` keeps the file's Q4_1
+    blocks packed in 4 bits (float16 scales and minimums), which the native packed kernel reads
+    (with AVX-512 VNNI, x rounded to 16 bits per group into integer dots), and its tied Q8_0
+    table in 8 for the native table head."""
+    from meshserve.model import native_dot
+
+    if not native_dot.resolve(None):
+        pytest.skip("native kernels do not run here")
+    return _smollm2_kept_blocks(smollm2_files, EngineConfig().quantization, {4, 8},
+                                native_kernels=True)
 
 
 @pytest.fixture(scope="module")
 def smollm2_int4(smollm2_files):
     """As `auto` keeps them on a GPU: int4, a scale and a minimum per 32 weights."""
-    return _smollm2_kept_blocks(smollm2_files, "int4", 4)
+    return _smollm2_kept_blocks(smollm2_files, "int4", {4})
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("weights", ["float32", "engine default", "int4"])
+@pytest.mark.parametrize("weights", ["float32", "engine default", "native blocks", "int4"])
 def test_smollm2_greedy_matches_hf(weights, request, smollm2_golden):
     """The float32 weights, the engine's default quantization on the CPU (`auto`: int8
-    containers) and int4 kernels (`auto` on a GPU)."""
+    containers; with native kernels, the file's 4-bit blocks) and int4 kernels (`auto` on a
+    GPU)."""
     fixture = {"float32": "smollm2_pretrained", "engine default": "smollm2_default_quantization",
-               "int4": "smollm2_int4"}[weights]
+               "native blocks": "smollm2_native_blocks", "int4": "smollm2_int4"}[weights]
     model = request.getfixturevalue(fixture)
     if weights == "float32":
         model = model.model
