@@ -54,8 +54,10 @@ class Runner(Protocol):
     channel: Any | None  # the plan stream of a multi-process run (serving/engine/multihost.py)
     splits_sampling: bool  # whether it is a `SplitRunner` that can split a step now
 
-    def warmup(self, *, progress: bool = True) -> list[tuple[int, ...]]:
-        """Compiles every program a plan can need, runs nothing; returns the keys of the calls
+    def warmup(self, *, progress: bool = True, prompt_logprobs: bool = True
+               ) -> list[tuple[int, ...]]:
+        """Compiles every program a plan can need (those that return prompt logprobs only with
+        `prompt_logprobs`; else each on first use), runs nothing; returns the keys of the calls
         they serve (with and without a structured-output mask: one program serves both)."""
         ...
 

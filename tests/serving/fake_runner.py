@@ -59,7 +59,8 @@ class FakeModelRunner:
         self._cache = FakeRunner(num_pages=self.config.num_pages, page_size=self.config.page_size,
                                  num_replicas=self.num_replicas, window=window)
 
-    def warmup(self, *, progress: bool = True) -> list[tuple[int, ...]]:
+    def warmup(self, *, progress: bool = True, prompt_logprobs: bool = True
+               ) -> list[tuple[int, ...]]:
         return []  # nothing to compile
 
     def execute(self, plan: StepPlan) -> list[SampledRows]:

@@ -26,13 +26,17 @@ from tests.serving.test_meshes import ENGINE, _assert_same, _run, _tiny_requests
 # layers: two pipeline stages pad the stack to four with a layer of zero codes and scales.
 CONFIG = ModelConfig.preset("tiny-llama", head_dim=32, num_layers=3)
 REQUESTS = _tiny_requests()[:3]
+# The one-device reference runs XLA's dots, as a mesh does: native kernels (on by default on one
+# CPU device) round x to 16 bits in their integer dots, a difference of their own, held to its
+# bound in tests/model/test_native_dot.py, not the sharding's.
+XLA_DOTS = dict(native_kernels=False)
 
 
 @pytest.fixture(scope="module", params=["int8", "int4"])
 def quantized(request):
     """(scheme, a quantized tiny model, its one-device outputs)."""
     model = quantize_model(model_from_params(CONFIG, random_params(CONFIG)), request.param)
-    want = _run(Engine.from_model(model, None, EngineConfig(**ENGINE)), REQUESTS)
+    want = _run(Engine.from_model(model, None, EngineConfig(**ENGINE, **XLA_DOTS)), REQUESTS)
     return request.param, model, want
 
 
@@ -97,7 +101,8 @@ def test_quantized_experts_on_an_expert_parallel_mesh_match_one_device():
     model = quantize_model(model_from_params(MOE_CONFIG, random_params(MOE_CONFIG)), "int4")
     engine_config = dict(ENGINE, max_num_batched_tokens=16, prefill_chunk=16)
     requests = REQUESTS[:2]
-    want = _run(Engine.from_model(model, None, EngineConfig(**engine_config)), requests)
+    want = _run(Engine.from_model(model, None, EngineConfig(**engine_config, **XLA_DOTS)),
+                requests)
     engine = Engine.from_model(model, None, EngineConfig(mesh="model=2", **engine_config))
     _assert_same(_run(engine, requests), want)
     gate = engine.runner.params["layers"]["mlp"]["experts"]["gate"]
@@ -119,7 +124,8 @@ def test_k_quant_super_groups_on_a_tensor_parallel_mesh_match_one_device(q4_k_m_
                  SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5))
                 for length in (5, 17, 30)]
     engine_config = ENGINE | dict(max_model_len=64)
-    want = _run(Engine.from_model(model, None, EngineConfig(**engine_config)), requests)
+    want = _run(Engine.from_model(model, None, EngineConfig(**engine_config, **XLA_DOTS)),
+                requests)
     engine = Engine.from_model(model, None, EngineConfig(mesh="model=2", **engine_config))
     _assert_same(_run(engine, requests), want)
     layers = engine.runner.params["layers"]
