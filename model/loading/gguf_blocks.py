@@ -279,22 +279,25 @@ def regrouped(blocks: Blocks, fmt: QuantFormat) -> Blocks:
         blocks = float_scaled(blocks)
     factor = blocks.group // fmt.group
     assert factor * fmt.group == blocks.group, (blocks.group, fmt.group)
-    scales = np.repeat(blocks.scales, factor, axis=-1)
-    if blocks.mins is not None:
-        mins = np.repeat(blocks.mins, factor, axis=-1)
-    else:
-        mins = np.zeros_like(scales) if fmt.has_mins else None
+    scales, mins = _repeated(blocks.scales, blocks.mins, factor, fmt.has_mins)
     if fmt.super_group is None:
         return Blocks(codes=blocks.codes, scales=scales, mins=mins, group=fmt.group)
     spread = blocks.super_group // fmt.super_group
     assert spread * fmt.super_group == blocks.super_group, (blocks.super_group, fmt.super_group)
-    super_scales = np.repeat(blocks.super_scales, spread, axis=-1)
-    if blocks.super_mins is not None:
-        super_mins = np.repeat(blocks.super_mins, spread, axis=-1)
-    else:
-        super_mins = np.zeros_like(super_scales) if fmt.has_mins else None
+    super_scales, super_mins = _repeated(blocks.super_scales, blocks.super_mins, spread,
+                                         fmt.has_mins)
     return Blocks(codes=blocks.codes, scales=scales, mins=mins, group=fmt.group,
                   super_scales=super_scales, super_mins=super_mins, super_group=fmt.super_group)
+
+
+def _repeated(scales: np.ndarray, mins: np.ndarray | None, factor: int, has_mins: bool
+              ) -> tuple[np.ndarray, np.ndarray | None]:
+    """Scales and mins each repeated `factor` times along the last axis (a finer group); no
+    mins become zeros where the format has them."""
+    scales = np.repeat(scales, factor, axis=-1)
+    if mins is not None:
+        return scales, np.repeat(mins, factor, axis=-1)
+    return scales, np.zeros_like(scales) if has_mins else None
 
 
 class CanonicalLayout:

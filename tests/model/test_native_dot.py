@@ -327,8 +327,6 @@ def test_the_native_table_head_matches_the_jnp_path(has_mins, rows, vocab, dim):
     16 (blocks of 16 rows of the table, the last one ragged, against four rows of x at a time,
     then one; with AVX-512 VNNI through integer dots, so within the bound of x's rounding). 300
     rows of 640 split into ranges on XLA's threads."""
-    from meshserve.model.quantized_table import table_logits
-
     fmt = QuantFormat(bits=8, group=32, num_contracted=1, num_out=0, has_mins=has_mins,
                       scale_dtype="float16")
     rng = np.random.default_rng(2)
@@ -337,15 +335,7 @@ def test_the_native_table_head_matches_the_jnp_path(has_mins, rows, vocab, dim):
     scales = rng.uniform(0.001, 0.02, (vocab, dim // 32))
     table = from_codes(codes, scales, -8 * scales if has_mins else None, fmt).map(jnp.asarray)
     x = jnp.asarray(rng.standard_normal((rows, dim)), jnp.float32)
-    want = jax.jit(lambda x, t: table_logits(x, t))(x, table)
-    with native_dot.enabled():
-        lowered = jax.jit(lambda x, t: table_logits(x, t)).lower(x, table)
-    assert native_dot.TABLE_TARGET in lowered.as_text()
-    got = lowered.compile()(x, table)
-    if rows == 1:
-        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
-    else:
-        _assert_within_x_rounding(got, want, x, dequantize(table.map(np.asarray)).T, 32)
+    _assert_native_table_head(x, table)
 
 
 @pytest.mark.parametrize("rows", [1, 9])
@@ -353,23 +343,30 @@ def test_the_native_table_head_reads_a_k_quant_table(rows):
     """A Q6_K table kept in 8 bits with its int8 sub-scales and a float32 d per 256: the head's
     native kernel gets their products, and gives the jnp path's logits (at one row exactly as
     the float path sums, at several through integer dots, within the bound of x's rounding)."""
-    from meshserve.model.quantized_table import table_logits
-
     fmt = dataclasses.replace(SUPER_FORMATS["q6_k int8"], num_out=0)
     rng = np.random.default_rng(4)
     table = from_codes(rng.integers(-32, 32, (101, 16, 16)), rng.integers(-128, 128, (101, 16)),
                        None, fmt, super_scales=rng.uniform(1e-5, 1e-4, (101, 1)))
     table = table.map(jnp.asarray)
     x = jnp.asarray(rng.standard_normal((rows, 256)), jnp.float32)
+    _assert_native_table_head(x, table)
+
+
+def _assert_native_table_head(x, table) -> None:
+    """The head through the native table kernel against the jnp path: at one row the float
+    path's sums (within 2e-5), at several the integer dots (within the bound of x's rounding)."""
+    from meshserve.model.quantized_table import table_logits
+
     want = jax.jit(lambda x, t: table_logits(x, t))(x, table)
     with native_dot.enabled():
         lowered = jax.jit(lambda x, t: table_logits(x, t)).lower(x, table)
     assert native_dot.TABLE_TARGET in lowered.as_text()
     got = lowered.compile()(x, table)
-    if rows == 1:
+    if x.shape[0] == 1:
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
     else:
-        _assert_within_x_rounding(got, want, x, dequantize(table.map(np.asarray)).T, fmt.group)
+        _assert_within_x_rounding(got, want, x, dequantize(table.map(np.asarray)).T,
+                                  table.format.group)
 
 
 def test_native_kernels_are_on_by_default_where_they_run_and_off_elsewhere():
