@@ -86,7 +86,7 @@ def _no_lm_head(self, x):
     return jnp.broadcast_to(x[..., :1], (*x.shape[:-1], self.config.vocab_size))
 
 
-def _no_layers(model, x, positions, ctx, constrain=None, sliding=None):
+def _no_layers(model, x, positions, ctx, constrain=None, sliding=None, adapters=None):
     return x, ctx
 
 
