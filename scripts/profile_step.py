@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshserve.batching.plan import sub_batch_from_rows
-from meshserve.model import attention, quantized_table, transformer
+from meshserve.model import attention, native_dot, quantized_table, transformer
 from meshserve.model.executor import steps
 from meshserve.model.executor.runner import ModelRunner, RunnerConfig
 from meshserve.model.executor.sampler import Sampled
@@ -308,7 +308,9 @@ def main() -> None:
                                                                allow_dirty=args.allow_dirty)
     except ValueError as err:
         parser.error(str(err))
-    model = load_pretrained(args.model, quantization=args.quantization).model
+    # As the engine loads it: where native kernels run, `auto` keeps the file's 4/5/6-bit blocks.
+    model = load_pretrained(args.model, quantization=args.quantization,
+                            native_kernels=native_dot.resolve(None)).model
     if args.lm_head:
         times = lm_head_times(model, args.batch, args.repeats)
         if args.output:
