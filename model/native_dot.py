@@ -11,6 +11,12 @@ cache), so a GGUF's Q4, Q5 and Q6 blocks stay in the bits the file spends on the
 are split into ranges that run on XLA's intra-op threads and the calling one. A third kernel
 reads a table kept in 8 bits for the tied LM head.
 
+Inside the layer scan the layer kernels take every layer's codes (and float16 scales and mins)
+stacked, with the layer's index, and read that layer's where they lie (`matmul`'s `layer`,
+`meshserve.model.transformer.apply_layers`): a custom call needs each operand in a buffer of its
+own, so a slice of the stacks would be copied out before every call, about as many bytes written
+as the kernel then reads.
+
 Where the CPU has AVX-512 VNNI (and, for 5 and 6 bits, VBMI), the layer kernels (packed and
 int8 codes in groups of 16 to 64) take integer dots instead: each row of x is rounded per group
 of the kernel to 16 bits of the group's largest |x| (`hi * 256 + lo`, two int8 halves, one float
@@ -129,41 +135,50 @@ def active() -> bool:
     return _active.get()
 
 
-def matmul(spec: str, x: jax.Array, q: QuantizedArray) -> jax.Array | None:
+def matmul(spec: str, x: jax.Array, q: QuantizedArray, layer: jax.Array | None = None
+           ) -> jax.Array | None:
     """`quantized_matmul(spec, x, q)` through a native kernel, or None where none serves it
-    (a format it does not read, or more than `MAX_ROWS` rows).
+    (a format it does not read, or more than `MAX_ROWS` rows). With `layer` (an int32 scalar),
+    q is every layer's kernel stacked (a leading layer axis) and the product is layer `layer`'s,
+    whose codes (and float16 scales and mins) the kernel reads where they lie.
     A kernel of several contracted or output axes (attention's q [D, H, hd], o [H, hd, D]) is
     the matrix of its contracted axes merged against its output axes merged: its codes, scales
     and mins are laid out so already (groups run along the last contracted axis, which a group
     never crosses), so only their shapes change."""
     fmt = q.format
     n = fmt.num_contracted
+    stack = 0 if layer is None else 1  # leading axes before a kernel's own
     inputs, out = spec.split("->")
     lhs, rhs = inputs.split(",")
     if (out != lhs[:len(lhs) - n] + rhs[n:] or fmt.group is None
-            or q.values.ndim != n + fmt.num_out):
+            or q.values.ndim != stack + n + fmt.num_out):
         return None
-    matrix = lambda a: a.reshape(math.prod(a.shape[:n]), -1)  # noqa: E731
+
+    def matrix(a):  # [*stack, *contracted, *out] -> [*stack, K, N]
+        return a.reshape(*a.shape[:stack], math.prod(a.shape[stack:stack + n]), -1)
+
     two = dataclasses.replace(q.map(matrix),
                               format=dataclasses.replace(fmt, num_contracted=1, num_out=1))
     lead = x.shape[:x.ndim - n]
     rows = x.reshape(*lead, math.prod(x.shape[x.ndim - n:]))
-    if math.prod(lead) > MAX_ROWS or not serves(rows, two):
+    if math.prod(lead) > MAX_ROWS or not serves(rows, two, stacked=layer is not None):
         return None
-    return grouped_dot(rows, two).reshape(*lead, *q.shape[n:])
+    return grouped_dot(rows, two, layer).reshape(*lead, *q.shape[stack + n:])
 
 
-def serves(x: jax.Array, q: QuantizedArray) -> bool:
-    """Whether a kernel computes `x [..., K] . q [K, N]`: codes in groups (int8, or packed in
-    4, 5 or 6 bits), one contracted and one output axis, float32 activations."""
-    return _served(x, q, num_out=1, bits=(4, 5, 6, 8))
+def serves(x: jax.Array, q: QuantizedArray, *, stacked: bool = False) -> bool:
+    """Whether a kernel computes `x [..., K] . q [K, N]` (`stacked`: q [L, K, N], a layer of
+    it): codes in groups (int8, or packed in 4, 5 or 6 bits), one contracted and one output
+    axis, float32 activations."""
+    return _served(x, q, num_out=1, bits=(4, 5, 6, 8), stack=int(stacked))
 
 
-def grouped_dot(x: jax.Array, q: QuantizedArray) -> jax.Array:
-    """`x [..., K] . dequantized q [K, N]` -> [..., N] through the native kernel."""
+def grouped_dot(x: jax.Array, q: QuantizedArray, layer: jax.Array | None = None) -> jax.Array:
+    """`x [..., K] . dequantized q [K, N]` -> [..., N] through the native kernel; with `layer`,
+    q [L, K, N] and the product with its layer `layer`."""
     if q.format.bits == 8:
-        return _call(TARGET, x, q, q.values.shape[1])
-    return _call(PACKED_TARGET, x, q, q.values.shape[1], keep_float16=True,
+        return _call(TARGET, x, q, q.values.shape[-1], layer)
+    return _call(PACKED_TARGET, x, q, q.values.shape[-1], layer, keep_float16=True,
                  bits=np.int64(q.format.bits), offset=np.int64(q.format.offset))
 
 
@@ -175,28 +190,36 @@ def serves_table(x: jax.Array, table: QuantizedArray) -> bool:
 
 def table_dot(x: jax.Array, table: QuantizedArray) -> jax.Array:
     """`x [..., D] . dequantized table [V, D]^T` -> [..., V] through the native kernel."""
-    return _call(TABLE_TARGET, x, table, table.values.shape[0])
+    return _call(TABLE_TARGET, x, table, table.values.shape[0], None)
 
 
-def _served(x: jax.Array, q: QuantizedArray, *, num_out: int, bits: tuple[int, ...]) -> bool:
+def _served(x: jax.Array, q: QuantizedArray, *, num_out: int, bits: tuple[int, ...],
+            stack: int = 0) -> bool:
     fmt = q.format
     return (fmt.bits in bits and fmt.group is not None and fmt.num_contracted == 1
-            and fmt.num_out == num_out and q.values.ndim == 2 and x.dtype == jnp.float32)
+            and fmt.num_out == num_out and q.values.ndim == stack + 2
+            and x.dtype == jnp.float32)
 
 
-def _call(target: str, x: jax.Array, q: QuantizedArray, width: int, *,
-          keep_float16: bool = False, **attributes) -> jax.Array:
+def _call(target: str, x: jax.Array, q: QuantizedArray, width: int, layer: jax.Array | None,
+          *, keep_float16: bool = False, **attributes) -> jax.Array:
     """`target` on x's rows, q's codes and its scales and mins in float32 (no mins: an empty
     array) -> [..., width]. With `keep_float16` (the packed kernel, which reads them so), float16
     scales and mins are passed as they are: XLA's conversion would write twice their bytes
     before each call, which at one row of x costs about as much as reading the codes.
+
+    With `layer`, q is a stack of layers' kernels ([L, K, N]; not the table kernel's): the
+    layer kernels take the stacked codes (and float16 scales and mins) whole, and the index,
+    and read that layer's where they lie; scales XLA computes in float32 are computed for that
+    layer alone, from its slice of the stacks, and passed 2-D. Without, the index operand is 0
+    and every array 2-D.
 
     A format in super groups (a K-quant's integer sub-scales times a float32 scale per 256
     weights) has its float32 scales computed here, by XLA, right before the call
     (`group_scales`, exact): a buffer of 4 bytes per group and array, written and read again
     every call (0.25 bytes a weight for a 4-bit kernel in groups of 32 with mins, beside its 0.59
     of codes, integer scales and super scales). Inside the layer scan a format of float32 scales
-    costs the same write: XLA hands the call a copy of the layer's slice of the stacked scales.
+    costs the same write: they are computed from the layer's slice of the stacked scales.
     Measured (before the packed kernel read float16 scales): no difference beyond the noise.
     Gemma 3 270M's Q4_K_M (o and down in super groups), its one-row decode step as `meshserve
     roofline --context 128 --batch 1` times it, 11 interleaved runs against the same kernels with
@@ -209,11 +232,23 @@ def _call(target: str, x: jax.Array, q: QuantizedArray, width: int, *,
         scales, mins = q.scales, q.mins
         empty = jnp.float16
     else:
-        scales, mins = group_scales(q, jnp)
+        scales, mins = group_scales(_scales_of_layer(q, layer), jnp)
         empty = jnp.float32
     mins = mins if mins is not None else jnp.zeros((0, 0), empty)
-    y = jax.ffi.ffi_call(target, out)(rows, q.values, scales, mins, **attributes)
+    index = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
+    # the layer kernels take a layer index; the table, read outside the scan, none
+    args = (rows, q.values, scales, mins) + (() if target == TABLE_TARGET else (index,))
+    y = jax.ffi.ffi_call(target, out)(*args, **attributes)
     return y.reshape(*x.shape[:-1], width)
+
+
+def _scales_of_layer(q: QuantizedArray, layer: jax.Array | None) -> QuantizedArray:
+    """q's scales, mins and super scales and mins (its codes left out); of a stack, layer
+    `layer`'s alone."""
+    scales = dataclasses.replace(q, values=None)
+    if layer is None:
+        return scales
+    return scales.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False))
 
 
 @functools.cache

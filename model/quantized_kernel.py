@@ -27,7 +27,9 @@ On devices a `QuantizedArray` is a pytree (its arrays the leaves, its format sta
 stack of them can pass through `jax.shard_map` and be sliced like an array.
 
 With `native_kernels` on (one CPU device), a grouped kernel (int8, or packed in 4, 5 or 6 bits)
-runs through a native kernel instead, which reads each code once (`meshserve.model.native_dot`).
+runs through a native kernel instead, which reads each code once (`meshserve.model.native_dot`);
+in the layer scan it reads the layer's codes from the whole stacks, in place
+(`QuantizedKernel.layer`).
 
 Which kernels of a model are quantized, and turning them so, is `meshserve.model.quantized_weights`.
 """
@@ -50,7 +52,12 @@ jax.tree_util.register_dataclass(QuantizedArray, data_fields=list(ARRAY_NAMES),
 
 class QuantizedKernel(nnx.Module):
     """The weights of one quantized kernel; `fmt` is static (part of the graph). Each array of
-    `ARRAY_NAMES` is an attribute, None where the format has no such array."""
+    `ARRAY_NAMES` is an attribute, None where the format has no such array.
+
+    `layer` None: the arrays are the kernel's own (stacked over the layers in a model, which the
+    layer scan slices). Set (an int32 scalar, traced): the arrays are every layer's kernels
+    stacked, and this is layer `layer`'s of them (`read_layers_in_place`), so a native kernel
+    reads that layer's codes where the stack holds them, with no copy of the layer's slice."""
 
     def __init__(self, q: QuantizedArray, axes: tuple[str | None, ...]):
         self.fmt = q.format
@@ -58,15 +65,47 @@ class QuantizedKernel(nnx.Module):
         for name in ARRAY_NAMES:
             array = getattr(q, name)
             setattr(self, name, None if array is None else nnx.Param(array, axes=named[name]))
+        self.layer = nnx.data(None)
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The shape of the float kernel it stands for."""
-        return self.array().shape
+        shape = self.held().shape
+        return shape if self.layer is None else shape[1:]
 
-    def array(self) -> QuantizedArray:
+    def held(self) -> QuantizedArray:
+        """The arrays as the kernel holds them: its own, or with `layer` set every layer's."""
         return QuantizedArray.from_arrays({name: getattr(self, name)[...] for name in ARRAY_NAMES
                                            if getattr(self, name) is not None}, self.fmt)
+
+    def array(self) -> QuantizedArray:
+        """The kernel (with `layer` set, that layer's slice of the stacks)."""
+        return _layer_of(self.held(), self.layer)
+
+
+def _layer_of(q: QuantizedArray, layer: jax.Array | None) -> QuantizedArray:
+    """Layer `layer` of a stack of kernels (a leading layer axis); q itself for None."""
+    if layer is None:
+        return q
+    return q.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False))
+
+
+def layer_stacked_kernels(layers: nnx.Module) -> frozenset[tuple]:
+    """The paths in `layers` (a model's stacked layers) of the quantized kernels stacked over
+    the layers alone, those a native kernel may read a layer of in place: a `Dense`'s, not a
+    mixture's routed experts (stacked over the experts too, which `meshserve.model.moe`
+    slices one expert at a time)."""
+    return frozenset(path for path, module in nnx.iter_graph(layers)
+                     if isinstance(module, QuantizedKernel)
+                     and module.values.ndim == 1 + module.fmt.num_contracted + module.fmt.num_out)
+
+
+def read_layers_in_place(block: nnx.Module, kernels: frozenset[tuple], layer: jax.Array) -> None:
+    """Makes the kernels at `kernels` (`layer_stacked_kernels`) of `block`, a layer merged with
+    those kernels' whole stacks, read layer `layer` (an int32 scalar) of them."""
+    for path, module in nnx.iter_graph(block):
+        if path in kernels:
+            module.layer = layer
 
 
 def _per_channel_axes(axes: tuple, fmt: QuantFormat) -> tuple:
@@ -79,13 +118,17 @@ def quantized_matmul(spec: str, x: jax.Array, kernel: QuantizedKernel | Quantize
                      ) -> jax.Array:
     """`jnp.einsum(spec, x, dequantized kernel)`, for a spec whose contracted axes end `x` and
     begin the kernel (every `Dense` of the model, and one expert of a stack): one dot for int8
-    (and 5 or 6 bits), two for int4."""
-    q = kernel.array() if isinstance(kernel, QuantizedKernel) else kernel
+    (and 5 or 6 bits), two for int4. A kernel reading a layer of stacks (`QuantizedKernel.layer`)
+    passes the native kernel the stacks and the index; every other path takes the layer's
+    slice."""
+    held, layer = (kernel.held(), kernel.layer) if isinstance(kernel, QuantizedKernel) \
+        else (kernel, None)
     if native_dot.active():  # `native_kernels`
         with jax.named_scope(f"quantized {spec} (native)"):
-            y = native_dot.matmul(spec, x, q)
+            y = native_dot.matmul(spec, x, held, layer)
         if y is not None:
             return y
+    q = _layer_of(held, layer)
     fmt = q.format
     inputs, out = spec.split("->")
     lhs, rhs = inputs.split(",")

@@ -25,10 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from meshserve.model import native_dot
 from meshserve.model.attention import NO_WINDOW, AttentionSpec
 from meshserve.model.config import ModelConfig
 from meshserve.model.layers import Dense, Embed, LayerNorm, RMSNorm, apply_rope, rope_tables
 from meshserve.model.moe import MoeMLP
+from meshserve.model.quantized_kernel import layer_stacked_kernels, read_layers_in_place
 from meshserve.model.quantized_weights import install as install_quantized
 
 
@@ -252,18 +254,32 @@ def apply_layers(model, x: jax.Array, positions: jax.Array, ctx, constrain=None,
     own layers' flags. `adapters`, each token's LoRA adapter as a one-hot [N, S]
     (`meshserve.model.lora.token_selection`), reaches every layer's projections; their slabs are
     layer weights, so the scan slices them like the rest.
+
+    With native kernels on, the scan does not slice the quantized kernels stacked over the layers
+    alone (`layer_stacked_kernels`): each layer gets their whole stacks and its index
+    (`read_layers_in_place`), and a native kernel reads the layer's codes where they lie, where
+    XLA would copy each layer's slice into a buffer of its own before every call; any other path
+    slices the layer out as the scan would.
     """
     constrain = constrain or (lambda x, axes: x)
     rope = model.position_tables(positions)
     graphdef, layer_params = nnx.split(model.layers)
+    num_layers = jax.tree.leaves(layer_params)[0].shape[0]
+    in_place = layer_stacked_kernels(model.layers) if native_dot.active() else frozenset()
+    stacks = ()
+    if in_place:
+        graphdef, kernel_stacks, layer_params = nnx.split(
+            model.layers, lambda path, _: path[:-1] in in_place, ...)
+        stacks = (kernel_stacks,)
 
     def one_layer(carry, xs):
         x, ctx = carry
         params, layer, sliding = xs
-        x, ctx = nnx.merge(graphdef, params)(x, ctx, layer, rope, sliding, adapters)
+        block = nnx.merge(graphdef, *stacks, params)
+        read_layers_in_place(block, in_place, layer)
+        x, ctx = block(x, ctx, layer, rope, sliding, adapters)
         return (constrain(x, RESIDUAL_AXES), ctx), None
 
-    num_layers = jax.tree.leaves(layer_params)[0].shape[0]
     layer_ids = jnp.arange(num_layers, dtype=jnp.int32)
     if sliding is None:
         sliding = jnp.asarray(sliding_flags(model.config, num_layers))

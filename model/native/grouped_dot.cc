@@ -28,7 +28,9 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -114,24 +116,53 @@ static float HalfToFloat(uint16_t h) {
   return f;
 }
 
+// One layer's matrix of an operand: the operand is that layer's own [R, C] (whatever the layer
+// index), or every layer's stacked [L, R, C] (a scanned model's weights), whose layer `layer` is
+// read where it lies (the index is an int32 scalar operand, in host memory on the CPU); `offset`
+// counts the elements before it. No layer index (`layer` nullptr, the table kernel): 2-D
+// operands only.
+struct LayerMatrix {
+  int64_t rows, cols, offset;
+};
+
+static ffi::Error SelectLayer(ffi::Span<const int64_t> dims, const int32_t* layer,
+                              LayerMatrix* matrix) {
+  if (dims.size() == 2) {
+    *matrix = LayerMatrix{dims[0], dims[1], 0};
+    return ffi::Error::Success();
+  }
+  if (dims.size() != 3 || layer == nullptr)
+    return ffi::Error::InvalidArgument(
+        "codes, scales and mins must be 2-D, or 3-D stacks with a layer index");
+  if (*layer < 0 || *layer >= dims[0])
+    return ffi::Error::InvalidArgument("layer index " + std::to_string(*layer) +
+                                       " is outside the stack of " + std::to_string(dims[0]));
+  *matrix = LayerMatrix{dims[1], dims[2], *layer * dims[1] * dims[2]};
+  return ffi::Error::Success();
+}
+
 // Checks the shapes: codes [K, N] with scales [K / G, N] (`table` false), or codes [V, D] with
-// scales [V, D / G] (`table` true); `width` is N or V.
+// scales [V, D / G] (`table` true), each of codes, scales and mins 2-D or a stack of them, which
+// `layer` picks (`SelectLayer`); `width` is N or V.
 static ffi::Error Decode(ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::S8>& codes,
                          ffi::Buffer<ffi::F32>& scales, ffi::Buffer<ffi::F32>& mins,
-                         ffi::ResultBuffer<ffi::F32>& y, bool table, Operands* ops,
-                         int64_t* width) {
-  const auto xd = x.dimensions(), cd = codes.dimensions(), sd = scales.dimensions();
-  if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2)
-    return ffi::Error::InvalidArgument("x, codes and scales must be 2-D");
+                         ffi::ResultBuffer<ffi::F32>& y, bool table, const int32_t* layer,
+                         Operands* ops, int64_t* width) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("x must be 2-D");
+  LayerMatrix cm, sm, mm;
+  for (auto [dims, matrix] : {std::pair{codes.dimensions(), &cm}, {scales.dimensions(), &sm},
+                              {mins.dimensions(), &mm}})
+    if (ffi::Error error = SelectLayer(dims, layer, matrix); error.failure()) return error;
   const int64_t k = xd[1];
-  const int64_t contracted = table ? cd[1] : cd[0], outputs = table ? cd[0] : cd[1];
-  const int64_t groups = table ? sd[1] : sd[0], scale_outputs = table ? sd[0] : sd[1];
+  const int64_t contracted = table ? cm.cols : cm.rows, outputs = table ? cm.rows : cm.cols;
+  const int64_t groups = table ? sm.cols : sm.rows, scale_outputs = table ? sm.rows : sm.cols;
   if (contracted != k || scale_outputs != outputs || groups == 0 || k % groups)
     return ffi::Error::InvalidArgument("shapes do not agree");
-  const auto md = mins.dimensions();
-  const bool has_mins = md.size() == 2 && md[0] == sd[0] && md[1] == sd[1];
-  *ops = Operands{xd[0], k, groups, x.typed_data(), codes.typed_data(), scales.typed_data(),
-                  has_mins ? mins.typed_data() : nullptr, y->typed_data()};
+  const bool has_mins = mm.rows == sm.rows && mm.cols == sm.cols;
+  *ops = Operands{xd[0], k, groups, x.typed_data(), codes.typed_data() + cm.offset,
+                  scales.typed_data() + sm.offset,
+                  has_mins ? mins.typed_data() + mm.offset : nullptr, y->typed_data()};
   *width = outputs;
   return ffi::Error::Success();
 }
@@ -239,10 +270,12 @@ static bool IntegerGroupedDot(ffi::ThreadPool& pool, const Operands& o, int64_t 
 
 static ffi::Error GroupedDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                              ffi::Buffer<ffi::S8> codes, ffi::Buffer<ffi::F32> scales,
-                             ffi::Buffer<ffi::F32> mins, ffi::ResultBuffer<ffi::F32> y) {
+                             ffi::Buffer<ffi::F32> mins, ffi::BufferR0<ffi::S32> layer,
+                             ffi::ResultBuffer<ffi::F32> y) {
   Operands o;
   int64_t n;
-  if (ffi::Error error = Decode(x, codes, scales, mins, y, false, &o, &n); error.failure())
+  if (ffi::Error error = Decode(x, codes, scales, mins, y, false, layer.typed_data(), &o, &n);
+      error.failure())
     return error;
   const int64_t grain = ColumnGrain(n, pool);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -259,6 +292,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveGroupedDot, GroupedDot,
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::BufferR0<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 // Packed codes (4, 5 or 6 bits; `meshserve.model.quant_formats`): per unit of codes along K,
@@ -917,23 +951,27 @@ static IntegerColumns IntegerColumnsFor(const Packing& p, int64_t g) {
 #endif
 
 // Scales and minimums come as float32 or as float16 (a file's Q4/Q5 blocks): the integer path
-// reads float16 in place; the float path converts them once a call.
+// reads float16 in place; the float path converts them once a call. Codes, scales and mins are
+// each one layer's or a stack of them (`SelectLayer`).
 static ffi::Error PackedDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                             ffi::Buffer<ffi::U8> codes, ffi::AnyBuffer scales,
-                            ffi::AnyBuffer mins, ffi::ResultBuffer<ffi::F32> y,
-                            int64_t bits, int64_t offset) {
-  const auto xd = x.dimensions(), cd = codes.dimensions(), sd = scales.dimensions();
-  if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2)
-    return ffi::Error::InvalidArgument("x, codes and scales must be 2-D");
-  const int64_t k = xd[1], n = cd[1], groups = sd[0];
-  if (sd[1] != n || groups == 0 || k % groups || (bits != 4 && bits != 5 && bits != 6))
+                            ffi::AnyBuffer mins, ffi::BufferR0<ffi::S32> layer,
+                            ffi::ResultBuffer<ffi::F32> y, int64_t bits, int64_t offset) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("x must be 2-D");
+  LayerMatrix cm, sm, mm;
+  for (auto [dims, matrix] : {std::pair{codes.dimensions(), &cm}, {scales.dimensions(), &sm},
+                              {mins.dimensions(), &mm}})
+    if (ffi::Error error = SelectLayer(dims, layer.typed_data(), matrix); error.failure())
+      return error;
+  const int64_t k = xd[1], n = cm.cols, groups = sm.rows;
+  if (sm.cols != n || groups == 0 || k % groups || (bits != 4 && bits != 5 && bits != 6))
     return ffi::Error::InvalidArgument("shapes or bits do not agree");
   const int64_t g = k / groups, unit = bits == 4 ? g : 32;
   const Packing p{bits, offset, unit, unit / 2 + unit * (bits - 4) / 8};
-  if (k % unit || cd[0] != k / unit * p.unit_rows)
+  if (k % unit || cm.rows != k / unit * p.unit_rows)
     return ffi::Error::InvalidArgument("codes do not pack x's contracted axis");
-  const auto md = mins.dimensions();
-  const bool has_mins = md.size() == 2 && md[0] == groups && md[1] == n;
+  const bool has_mins = mm.rows == groups && mm.cols == n;
   const bool half = scales.element_type() == ffi::DataType::F16;
   if ((!half && scales.element_type() != ffi::DataType::F32) ||
       (has_mins && mins.element_type() != scales.element_type()))
@@ -941,13 +979,14 @@ static ffi::Error PackedDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   Operands o{xd[0], k, groups, x.typed_data(), nullptr, nullptr, nullptr, y->typed_data()};
   std::vector<float> scales32, mins32;  // the float path's copies of float16 ones
   if (!half) {
-    o.s = static_cast<const float*>(scales.untyped_data());
-    o.mn = has_mins ? static_cast<const float*>(mins.untyped_data()) : nullptr;
+    o.s = static_cast<const float*>(scales.untyped_data()) + sm.offset;
+    o.mn = has_mins ? static_cast<const float*>(mins.untyped_data()) + mm.offset : nullptr;
   } else {
-    o.s_half = static_cast<const uint16_t*>(scales.untyped_data());
-    o.mn_half = has_mins ? static_cast<const uint16_t*>(mins.untyped_data()) : nullptr;
+    o.s_half = static_cast<const uint16_t*>(scales.untyped_data()) + sm.offset;
+    o.mn_half = has_mins ? static_cast<const uint16_t*>(mins.untyped_data()) + mm.offset
+                         : nullptr;
   }
-  const uint8_t* c = codes.typed_data();
+  const uint8_t* c = codes.typed_data() + cm.offset;
   const int64_t grain = ColumnGrain(n, pool);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if (IntegerDotServes(o, p)) {
@@ -979,6 +1018,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshservePackedDot, PackedDot,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::BufferR0<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("bits")
                                   .Attr<int64_t>("offset"));
@@ -1108,7 +1148,8 @@ static ffi::Error TableDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                            ffi::Buffer<ffi::F32> mins, ffi::ResultBuffer<ffi::F32> y) {
   Operands o;
   int64_t v;
-  if (ffi::Error error = Decode(x, codes, scales, mins, y, true, &o, &v); error.failure())
+  if (ffi::Error error = Decode(x, codes, scales, mins, y, true, nullptr, &o, &v);
+      error.failure())
     return error;
   const int64_t grain = std::max<int64_t>(16, 65536 / std::max<int64_t>(o.k, 1)) / 2 * 2;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)

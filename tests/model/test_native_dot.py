@@ -1,21 +1,25 @@
 """The native quantized dot (`native_kernels`): the same values as `quantized_matmul`'s jnp path
 for every grouped int8 layout a GGUF's blocks are kept in, at one row and at several, inside a
-layer scan, and an engine with it on gives the tokens of one without. Skipped, with the reason,
+layer scan (reading each layer's codes in place from the stacks), and an engine with it on gives
+the tokens of one without. Skipped, with the reason,
 where no C++ compiler can build it."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from meshserve.model import native_dot
-from meshserve.model.quant_formats import (QuantFormat, dequantize, from_codes, group_scales,
-                                           unpacked_codes)
+from meshserve.model.quant_formats import (QuantFormat, QuantizedArray, dequantize, from_codes,
+                                           group_scales, unpacked_codes)
 from meshserve.model.quantized_kernel import QuantizedKernel, quantized_matmul
 
 try:
@@ -397,3 +401,78 @@ def test_without_a_compiler_the_default_is_off_and_asking_for_them_says_why(tmp_
     assert result.returncode == 0, result.stderr
     assert "refused: building grouped_dot.cc with /bin/false failed" in result.stdout
     assert "native kernels are off" in result.stderr
+
+
+def _stack(fmt: QuantFormat, k: int, n: int, layers: int) -> QuantizedArray:
+    """`layers` random kernels of `fmt` stacked, as a model's layers hold them [L, K, N]."""
+    make = _super_kernel if fmt.super_group is not None else _kernel
+    return jax.tree.map(lambda *a: jnp.stack(a), *(make(fmt, k, n, seed=i)
+                                                   for i in range(layers)))
+
+
+@pytest.mark.parametrize("name", ["4-bit", "6-bit", "q8_0", "q4_k"])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_a_layer_of_a_stack_is_read_in_place_as_that_layers_kernel(name, rows):
+    """Given every layer's kernel stacked and an index, each layer kernel reads that layer's
+    codes where they lie: bit for bit what the call on the layer's own arrays gives, for packed
+    codes with float16 scales (read in place too) and float32 ones, int8 codes (their float16
+    scales made float32 for the layer alone) and super groups (the layer's float32 products);
+    an index outside the stack is an error."""
+    fmt = {**FORMATS, **SUPER_FORMATS}[name]
+    stack = _stack(fmt, 256, 96, layers=3)
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((rows, 256)), jnp.float32)
+    with native_dot.enabled():
+        at = jax.jit(lambda x, s, i: native_dot.matmul("nd,df->nf", x, s, i)).lower(
+            x, stack, jnp.int32(0))
+        own = jax.jit(lambda x, q: native_dot.matmul("nd,df->nf", x, q))
+        assert _target(fmt) in at.as_text()
+        at = at.compile()
+        for layer in range(3):
+            np.testing.assert_array_equal(at(x, stack, jnp.int32(layer)),
+                                          own(x, stack.map(lambda a: a[layer])))
+    for outside in (3, -1):
+        # raised by the call, or by the read of its result when the call ran asynchronously
+        with pytest.raises((ValueError, jax.errors.JaxRuntimeError),
+                           match=f"layer index {outside} is outside the stack of 3"):
+            np.asarray(at(x, stack, jnp.int32(outside)))
+
+
+def test_a_models_layers_read_their_kernels_in_place_from_the_stacks(monkeypatch):
+    """A tiny Llama with native kernels, its kernels 4-bit with float16 scales, its MLP's up
+    Q8_0 and its down Q4_K (super groups): the layer scan hands the kernels their whole stacks
+    and the layer's index, so the compiled program slices no codes, and its logits are bit for
+    bit those of the scan slicing each layer's kernels out (as it does without native
+    kernels)."""
+    from meshserve.model import transformer
+    from meshserve.model.config import ModelConfig
+    from meshserve.model.executor.steps import forward_dense
+    from meshserve.model.quantized_weights import install, quantize_model, quantized_arrays
+
+    config = ModelConfig.preset("tiny-llama", hidden_size=256, intermediate_size=256,
+                                head_dim=32)
+    model = transformer.create_model(config)
+    install(model, {"layers/mlp/up/kernel": _stack(FORMATS["q8_0"], 256, 256, layers=2),
+                    "layers/mlp/down/kernel": _stack(SUPER_FORMATS["q4_k"], 256, 256, layers=2)})
+    quantize_model(model, "int4")  # the rest
+    graphdef, params = nnx.split(model)
+    tokens, lengths = jnp.asarray([[3, 17, 200, 41]], jnp.int32), jnp.asarray([4], jnp.int32)
+
+    def compiled():  # a function of its own for each trace: jax caches traces by function
+        with native_dot.enabled():
+            return jax.jit(functools.partial(forward_dense, graphdef)).lower(
+                params, tokens, lengths).compile()
+
+    in_place = compiled()
+    monkeypatch.setattr(transformer, "layer_stacked_kernels", lambda layers: frozenset())
+    sliced = compiled()
+    # the shapes of one layer's codes, as a slice of a stack would have them: s8[1,256,256], ...
+    hlo_type = {"int8": "s8", "uint8": "u8"}
+    codes = {f"{hlo_type[str(q.values.dtype)]}[1,{','.join(map(str, q.values.shape[1:]))}]"
+             for q in quantized_arrays(model).values()}
+
+    def slices(program) -> set[str]:  # the types of the slices a compiled program takes
+        return set(re.findall(r"= (\w+\[[0-9,]*\])\S* dynamic-slice\(", program.as_text()))
+
+    assert codes <= slices(sliced) and not codes & slices(in_place)
+    np.testing.assert_array_equal(in_place(params, tokens, lengths),
+                                  sliced(params, tokens, lengths))
