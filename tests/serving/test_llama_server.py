@@ -438,7 +438,7 @@ def real_server_or_skip() -> None:
         missing = ", ".join(build.missing_build_tools())
         pytest.skip(f"llama-server cannot be built here: no {missing}")
     if os.environ.get(BUILD_ENV_VAR) != "1":
-        pytest.skip(f"llama-server is not built at {build.binary_path('llama-server')}; set "
+        pytest.skip(f"llama-server is not built under {build.build_directory()}; set "
                     f"{BUILD_ENV_VAR}=1 to build it (about 9 minutes on 2 cores, once)")
 
 
