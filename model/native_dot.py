@@ -25,10 +25,14 @@ rows; int8 codes plus 128, as unsigned bytes) by four bytes of x, 64 products an
 into exact int32 sums per group, which then take x's scale, the codes' scale and the minimum
 times x's rounded group sum in floats. The only rounding this adds to the float path is x's: at
 most 1/65024 of its group's largest |x| (the bound `tests/model/test_native_dot.py` holds it to);
-greedy tokens stay those of HF's float model (`tests/model/test_golden.py`). The table kernel
-does the same at several rows of x (16 rows of the table a block, a lane a row); at one row it
-stays in floats, where it reads the table about as fast as memory allows. Without VNNI, the
-float kernels serve everything.
+at several rows, a row with a massive activation (its largest |x| over 128 times its mean |x|)
+keeps a third byte, 1/256 of that; greedy tokens stay those of HF's float model
+(`tests/model/test_golden.py`). At several rows the codes of a block of 64 columns are
+transposed once and every block of four rows runs the whole of K against them, so prefill
+chunks (up to 512 rows) run here too, faster than XLA's dot of the dequantized layer
+(`max_rows`). The table kernel takes integer dots too at several rows of x (16 rows of the table
+a block, a lane a row); at one row it stays in floats, where it reads the table about as fast as
+memory allows. Without VNNI, the float kernels serve everything.
 
 It is built on first use with the system's C++ compiler against jaxlib's FFI headers, into
 `~/.cache/meshserve/native/` (keyed by the source, jax's version and the machine), and
@@ -61,7 +65,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshserve.model.quant_formats import QuantizedArray, group_scales
+from meshserve.model.quant_formats import QuantFormat, QuantizedArray, group_scales
 
 SOURCE = Path(__file__).with_name("native") / "grouped_dot.cc"
 TARGET = "meshserve_grouped_dot"
@@ -71,10 +75,6 @@ TABLE_SYMBOL = "MeshserveTableDot"
 PACKED_TARGET = "meshserve_packed_dot"
 PACKED_SYMBOL = "MeshservePackedDot"
 _active = contextvars.ContextVar("meshserve_native_dot", default=False)
-# The most rows of x a layer kernel takes natively: beyond, XLA's dot of the dequantized layer
-# (on its own threads, blocked for many rows) is as fast or faster (prefill chunks, large
-# decode batches): `scripts/quantized_dot_ffi/bench.py`, docs/benchmarks.md#native-kernels.
-MAX_ROWS = 16
 
 
 class NativeUnavailable(ValueError):
@@ -138,9 +138,9 @@ def active() -> bool:
 def matmul(spec: str, x: jax.Array, q: QuantizedArray, layer: jax.Array | None = None
            ) -> jax.Array | None:
     """`quantized_matmul(spec, x, q)` through a native kernel, or None where none serves it
-    (a format it does not read, or more than `MAX_ROWS` rows). With `layer` (an int32 scalar),
-    q is every layer's kernel stacked (a leading layer axis) and the product is layer `layer`'s,
-    whose codes (and float16 scales and mins) the kernel reads where they lie.
+    (a format it does not read, or more rows than `max_rows` allows). With `layer` (an int32
+    scalar), q is every layer's kernel stacked (a leading layer axis) and the product is layer
+    `layer`'s, whose codes (and float16 scales and mins) the kernel reads where they lie.
     A kernel of several contracted or output axes (attention's q [D, H, hd], o [H, hd, D]) is
     the matrix of its contracted axes merged against its output axes merged: its codes, scales
     and mins are laid out so already (groups run along the last contracted axis, which a group
@@ -161,9 +161,27 @@ def matmul(spec: str, x: jax.Array, q: QuantizedArray, layer: jax.Array | None =
                               format=dataclasses.replace(fmt, num_contracted=1, num_out=1))
     lead = x.shape[:x.ndim - n]
     rows = x.reshape(*lead, math.prod(x.shape[x.ndim - n:]))
-    if math.prod(lead) > MAX_ROWS or not serves(rows, two, stacked=layer is not None):
+    if (not serves(rows, two, stacked=layer is not None)
+            or math.prod(lead) > max_rows(two.format)):
         return None
     return grouped_dot(rows, two, layer).reshape(*lead, *q.shape[stack + n:])
+
+
+def max_rows(fmt: QuantFormat) -> int:
+    """The most rows of x a layer kernel takes for codes of this format; beyond, XLA's dot of
+    the dequantized layer. Where the CPU's integer dots serve the format's bits and groups
+    (AVX-512 VNNI): every row count (prefill chunks of up to 512 rows run natively, faster than
+    XLA's dot); otherwise, on the float kernels, 16 (a decode batch). The kernel library answers
+    (`MeshserveMaxRows`, with the measurements behind it)."""
+    return _max_rows(fmt.bits, fmt.group)
+
+
+@functools.cache
+def _max_rows(bits: int, group: int) -> int:
+    function = _library().MeshserveMaxRows
+    function.argtypes = (ctypes.c_int64, ctypes.c_int64)
+    function.restype = ctypes.c_int64
+    return function(bits, group)
 
 
 def serves(x: jax.Array, q: QuantizedArray, *, stacked: bool = False) -> bool:
@@ -252,9 +270,15 @@ def _scales_of_layer(q: QuantizedArray, layer: jax.Array | None) -> QuantizedArr
 
 
 @functools.cache
+def _library() -> ctypes.CDLL:
+    """The kernels' shared library, built (once per cache) and loaded (once per process)."""
+    return ctypes.cdll.LoadLibrary(str(build()))
+
+
+@functools.cache
 def ensure_registered() -> None:
     """Builds (once per cache) and registers the kernel with XLA (once per process)."""
-    library = ctypes.cdll.LoadLibrary(str(build()))
+    library = _library()
     for target, symbol in ((TARGET, SYMBOL), (TABLE_TARGET, TABLE_SYMBOL),
                            (PACKED_TARGET, PACKED_SYMBOL)):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),

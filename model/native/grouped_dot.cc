@@ -15,9 +15,12 @@
 // bits of the group's largest |x| (two int8 halves), `vpdpbusd` gives each column the exact int32
 // dot of its codes with them, four values of K a lane (the codes transposed from their rows in
 // registers), and the group's sum then takes its scales as a float partial sum does. The only
-// rounding it adds is x's: at most 1/65024 of its group's largest |x|. So does the table kernel at
-// several rows of x (`TableRowsVnni`); at one row it stays in floats. Without VNNI (or for other
-// groups), the float paths.
+// rounding it adds is x's: at most 1/65024 of its group's largest |x| (at several rows, 1/256 of
+// that for a row with a massive activation: `kWide`). Several rows run in blocks of 64 columns
+// and four rows over the whole of K (`ManyRowsVnni`), prefill chunks included (up to 512 rows:
+// `MeshserveMaxRows`). The table kernel takes integer dots too at several rows of x
+// (`TableRowsVnni`); at one row it stays in floats. Without VNNI (or for other groups), the float
+// paths.
 //
 // The kernels split their outputs into column (or vocabulary) ranges that run on XLA's
 // intra-op threads and the calling one (`ParallelFor`): each range is claimed from a shared
@@ -489,47 +492,93 @@ static void PackedColumns(const Operands& o, const Packing& p, const uint8_t* c,
 // (`NibbleQuads`) into 4 vectors of 16 columns, each column's dword holding codes k .. k + 3.
 constexpr int32_t kXRange = 127 * 256;  // the largest |hi * 256 + lo|: hi stays in [-127, 127]
 
+// A row of x is wide when its largest |x| exceeds this many times its mean |x| (about 4 times
+// in a row of normal values): a massive activation (SmolLM2's down projection, at the first token
+// of a prompt, holds values hundreds of times the rest of their group), which 16 bits of the
+// group's largest |x| leave the other values a few bits of. The several-row layer kernels give a
+// wide row 8 more bits (`third`).
+constexpr float kWide = 128.0f;
+
 // x [M, K] rounded per group of G (G a multiple of 16): x[m, k] ~ scale[m, k / G] *
-// (hi * 256 + lo)[m, k], lo in [-128, 127].
+// (hi * 256 + lo)[m, k], lo in [-128, 127]; a wide row to 24 bits, x[m, k] ~ scale[m, k / G] *
+// (hi * 256 + lo + third / 256)[m, k].
 struct RoundedX {
   int64_t k, groups;
-  std::vector<int8_t> hi, lo;  // [M, K]
-  std::vector<float> scale;    // [M, K / G]
-  std::vector<int32_t> sum;    // [M, K / G]: the group's sum of hi * 256 + lo
+  std::vector<int8_t> hi, lo;       // [M, K]
+  std::vector<float> scale;         // [M, K / G]
+  std::vector<int32_t> sum;         // [M, K / G]: the group's sum of hi * 256 + lo
+  std::vector<uint8_t> wide;        // [M]
+  std::vector<int8_t> third;        // [M, K]: zero in rows that are not wide
+  std::vector<int32_t> third_sum;   // [M, K / G]
 };
 
-static RoundedX RoundX(const Operands& o) {
+// x rounded, its rows split into ranges of about 16384 values on the pool's threads: a prefill
+// chunk's 512 rows of 1536 values took 0.35 ms on one thread, 6% of the dot's time.
+static RoundedX RoundX(const Operands& o, ffi::ThreadPool& pool) {
   const int64_t g = o.k / o.groups;
-  RoundedX r{o.k, o.groups, std::vector<int8_t>(o.m * o.k), std::vector<int8_t>(o.m * o.k),
-             std::vector<float>(o.m * o.groups), std::vector<int32_t>(o.m * o.groups)};
+  RoundedX r{o.k,
+             o.groups,
+             std::vector<int8_t>(o.m * o.k),
+             std::vector<int8_t>(o.m * o.k),
+             std::vector<float>(o.m * o.groups),
+             std::vector<int32_t>(o.m * o.groups),
+             std::vector<uint8_t>(o.m),
+             std::vector<int8_t>(o.m * o.k),
+             std::vector<int32_t>(o.m * o.groups)};
   const __m512i limit = _mm512_set1_epi32(kXRange), half_step = _mm512_set1_epi32(128);
-  for (int64_t i = 0; i < o.m * o.groups; ++i) {  // group i % groups of row i / groups
-    const float* x = o.xs + i * g;
-    __m512 largest = _mm512_setzero_ps();
-    __mmask16 nan = 0;  // max drops NaNs: a NaN in x makes the group's scale NaN, as floats would
-    for (int64_t j = 0; j < g; j += 16) {
-      const __m512 v = _mm512_loadu_ps(x + j);
-      largest = _mm512_max_ps(largest, _mm512_abs_ps(v));
-      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  const __m512i byte = _mm512_set1_epi32(127);
+  const auto round = [&](int64_t mb, int64_t me) {
+    for (int64_t m = mb; m < me; ++m) {
+      __m512 sizes = _mm512_setzero_ps(), largest = _mm512_setzero_ps();
+      for (int64_t j = 0; j < o.k; j += 16) {
+        const __m512 v = _mm512_abs_ps(_mm512_loadu_ps(o.xs + m * o.k + j));
+        sizes = _mm512_add_ps(sizes, v);
+        largest = _mm512_max_ps(largest, v);
+      }
+      const bool wide = _mm512_reduce_max_ps(largest) * o.k > kWide * _mm512_reduce_add_ps(sizes);
+      r.wide[m] = wide;
+      for (int64_t i = m * o.groups; i < (m + 1) * o.groups; ++i) {  // group i % groups
+        const float* x = o.xs + i * g;
+        __m512 top_group = _mm512_setzero_ps();
+        __mmask16 nan = 0;  // max drops NaNs: a NaN in x makes the group's scale NaN, as in floats
+        for (int64_t j = 0; j < g; j += 16) {
+          const __m512 v = _mm512_loadu_ps(x + j);
+          top_group = _mm512_max_ps(top_group, _mm512_abs_ps(v));
+          nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        }
+        const float top = _mm512_reduce_max_ps(top_group), scale = top / kXRange;
+        const __m512 inverse = _mm512_set1_ps(top > 0.0f ? kXRange / top : 0.0f);
+        __m512i total = _mm512_setzero_si512(), third_total = _mm512_setzero_si512();
+        for (int64_t j = 0; j < g; j += 16) {
+          const __m512 v = _mm512_loadu_ps(x + j);
+          __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, inverse));  // nearest
+          q = _mm512_max_epi32(_mm512_min_epi32(q, limit),
+                               _mm512_sub_epi32(_mm512_setzero_si512(), limit));
+          const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(q, half_step), 8);  // q / 256
+          const __m512i lo = _mm512_sub_epi32(q, _mm512_slli_epi32(hi, 8));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(r.hi.data() + i * g + j),
+                           _mm512_cvtepi32_epi8(hi));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(r.lo.data() + i * g + j),
+                           _mm512_cvtepi32_epi8(lo));
+          total = _mm512_add_epi32(total, q);
+          if (wide) {  // what q leaves of x (at most half a step, one rounding), in 1/256 steps
+            const __m512 rest = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(scale), v);
+            __m512i t = _mm512_cvtps_epi32(
+                _mm512_mul_ps(rest, _mm512_mul_ps(inverse, _mm512_set1_ps(256.0f))));
+            t = _mm512_max_epi32(_mm512_min_epi32(t, byte),
+                                 _mm512_sub_epi32(_mm512_setzero_si512(), byte));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(r.third.data() + i * g + j),
+                             _mm512_cvtepi32_epi8(t));
+            third_total = _mm512_add_epi32(third_total, t);
+          }
+        }
+        r.scale[i] = nan ? std::numeric_limits<float>::quiet_NaN() : scale;
+        r.sum[i] = _mm512_reduce_add_epi32(total);
+        r.third_sum[i] = _mm512_reduce_add_epi32(third_total);
+      }
     }
-    const float top = _mm512_reduce_max_ps(largest);
-    const __m512 inverse = _mm512_set1_ps(top > 0.0f ? kXRange / top : 0.0f);
-    __m512i total = _mm512_setzero_si512();
-    for (int64_t j = 0; j < g; j += 16) {
-      __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + j), inverse));  // nearest
-      q = _mm512_max_epi32(_mm512_min_epi32(q, limit),
-                           _mm512_sub_epi32(_mm512_setzero_si512(), limit));
-      const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(q, half_step), 8);  // q rounded / 256
-      const __m512i lo = _mm512_sub_epi32(q, _mm512_slli_epi32(hi, 8));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(r.hi.data() + i * g + j),
-                       _mm512_cvtepi32_epi8(hi));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(r.lo.data() + i * g + j),
-                       _mm512_cvtepi32_epi8(lo));
-      total = _mm512_add_epi32(total, q);
-    }
-    r.scale[i] = nan ? std::numeric_limits<float>::quiet_NaN() : top / kXRange;
-    r.sum[i] = _mm512_reduce_add_epi32(total);
-  }
+  };
+  ParallelFor(pool, o.m, std::max<int64_t>(1, 16384 / o.k), round);
   return r;
 }
 
@@ -698,57 +747,6 @@ static void PackedOneRowVnni(const Operands& o, const Packing& p, const uint8_t*
   }
 }
 
-// MR rows of x from m0 against `quads` [count][16 columns], a group's codes for 64 columns decoded
-// (codes k0 + 4 q .. k0 + 4 q + 3 in quads[q]): the int32 sums of MR rows x 64 columns, hi and
-// lo, stay in registers while each quad is read once per MR rows.
-template <int MR>
-static inline void RowsMicroVnni(const Operands& o, const Packing& p, const RoundedX& x, int64_t n,
-                                 const __m512i (*quads)[4], int64_t count, int64_t k0, int64_t gi,
-                                 int64_t m0, int64_t j0, int64_t je) {
-  __m512i hi[MR][4], lo[MR][4];
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < 4; ++v) hi[r][v] = lo[r][v] = _mm512_setzero_si512();
-  for (int64_t q = 0; q < count; ++q)
-    for (int r = 0; r < MR; ++r) {
-      const int64_t k = (m0 + r) * x.k + k0 + 4 * q;
-      const __m512i bh = FourBytes(x.hi.data() + k);
-      const __m512i bl = FourBytes(x.lo.data() + k);
-      for (int v = 0; v < 4; ++v) {
-        hi[r][v] = _mm512_dpbusd_epi32(hi[r][v], quads[q][v], bh);
-        lo[r][v] = _mm512_dpbusd_epi32(lo[r][v], quads[q][v], bl);
-      }
-    }
-  for (int r = 0; r < MR; ++r) AddGroup(o, p, x, n, m0 + r, gi, j0, je, hi[r], lo[r]);
-}
-
-// Several rows of x, outputs [jb, je) of y (zeroed first), packed codes: per unit and block of 64
-// columns, the unit's codes are transposed once into quads (in cache), then each of its groups
-// is multiplied by every row, two rows at a time.
-template <int kWidth, bool kTwoGroups>
-static void PackedRowsVnni(const Operands& o, const Packing& p, const uint8_t* c, int64_t n,
-                           const RoundedX& x, int64_t jb, int64_t je) {
-  const int64_t g = o.k / o.groups, half = p.unit / 2, m = o.m;
-  for (int64_t mi = 0; mi < m; ++mi) std::fill(o.out + mi * n + jb, o.out + mi * n + je, 0.0f);
-  alignas(64) __m512i quads[16][4];  // [quad of K in the unit (unit <= 64)][16 columns]
-  for (int64_t u = 0; u < o.k / p.unit; ++u) {
-    const int64_t k0 = u * p.unit;
-    for (int64_t j0 = jb; j0 < je; j0 += 64) {
-      const uint8_t* base = c + u * p.unit_rows * n + j0;
-      if (u + 1 < o.k / p.unit) PrefetchUnit(base + p.unit_rows * n, n, p.unit_rows);
-      const __mmask64 mask = ColumnMask(je - j0);
-      for (int64_t rb = 0; rb < half / 4; ++rb)
-        DecodeQuads<kWidth>(base, n, half, rb, mask, quads[rb], quads[half / 4 + rb]);
-      for (int64_t k = k0; k < k0 + p.unit; k += g) {
-        const __m512i (*group)[4] = quads + (k - k0) / 4;
-        int64_t m0 = 0;
-        for (; m0 + 2 <= m; m0 += 2)
-          RowsMicroVnni<2>(o, p, x, n, group, g / 4, k, k / g, m0, j0, je);
-        if (m0 < m) RowsMicroVnni<1>(o, p, x, n, group, g / 4, k, k / g, m0, j0, je);
-      }
-    }
-  }
-}
-
 // Four rows of int8 codes from `row` (stride n), 64 columns -> quad[v], the columns 16 v ..
 // 16 v + 15: a dword a column holding the four rows' codes plus 128, as unsigned bytes for
 // `vpdpbusd` (128 times x's group sum comes off after, as a packed code's offset does).
@@ -765,50 +763,237 @@ static inline void ByteQuads(const int8_t* row, int64_t n, __mmask64 mask, __m51
   quad[3] = _mm512_xor_si512(_mm512_unpackhi_epi16(b, d), flip);
 }
 
-// Int8 codes [K, N] in groups of G (GGUF's Q8_0), outputs [jb, je) of y (zeroed first), every
-// row of x: per group and block of 64 columns, the group's rows transposed into quads (in
-// registers at one row; in cache for several, then multiplied two rows at a time), multiplied
-// as packed codes are, with an offset of 128.
+// Several rows of x (decode batches, and prefill chunks of up to 512 rows). Per block of 64
+// columns and chunk of rows, every code of K is transposed once into quads (K bytes a column, in
+// cache: 36 KiB at K = 576, 96 KiB at 1536) and the block's scales and minimums converted once to
+// float32; then each block of four rows runs the whole of K against them, its float sums of 4
+// rows x 32 columns held in registers beside a group's int32 sums (hi and lo), and y is written
+// once. Adding each group's sums into y instead (y's rows read and written, the scales converted,
+// per group and row) costs about as much as the dots at many rows: SmolLM2's Q4_1 gate (576 x
+// 1536) at 272 rows took 3.96 ms that way against 2.71 ms so, and XLA's dequantize-and-dot 3.90
+// ms (`scripts/quantized_dot_ffi/rows.py`, medians, a loaded 2-core machine). A code's offset
+// comes off in integers: the lo sums start at minus offset times x's group sum. A tile issues
+// about 76 other vector instructions beside 128 `vpdpbusd` (the group's sums into floats, the
+// registers' initial values), and runs at about 60% of `vpdpbusd`'s peak. Tried and measured
+// slower: `vpdpwssd` on x rounded once to int16 and codes widened to int16 pairs (one sum a
+// column instead of hi and lo, but twice the decoded codes' bytes): 5.95 against 5.65 ms at 512
+// rows, 0.32 against 0.20 at 16.
+
+// MR rows of x (`rows`; kThird: wide rows, their third byte too) against 32 columns of a block
+// (half h), the whole of K.
+template <int MR, int G, bool kMins, bool kThird = false>
+static inline void ManyRowsMicroVnni(const RoundedX& x, const __m512i (*quads)[4],
+                                     const float* scale, const float* low, int64_t offset,
+                                     const int64_t* rows, int h, float* y, int64_t n,
+                                     const __mmask16 keep[2]) {
+  __m512 acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t gi = 0; gi < x.groups; ++gi) {
+    __m512i hi[MR][2], lo[MR][2], third[MR][2];
+    for (int r = 0; r < MR; ++r) {
+      const int64_t at = rows[r] * x.groups + gi;
+      hi[r][0] = hi[r][1] = _mm512_setzero_si512();
+      lo[r][0] = lo[r][1] = _mm512_set1_epi32(static_cast<int32_t>(-offset * x.sum[at]));
+      if constexpr (kThird)
+        third[r][0] = third[r][1] =
+            _mm512_set1_epi32(static_cast<int32_t>(-offset * x.third_sum[at]));
+    }
+    const __m512i (*group)[4] = quads + gi * G / 4;
+#pragma GCC unroll 16
+    for (int q = 0; q < G / 4; ++q) {
+      const __m512i c0 = group[q][2 * h], c1 = group[q][2 * h + 1];
+      for (int r = 0; r < MR; ++r) {
+        const int64_t k = rows[r] * x.k + gi * G + 4 * q;
+        const __m512i bh = FourBytes(x.hi.data() + k), bl = FourBytes(x.lo.data() + k);
+        hi[r][0] = _mm512_dpbusd_epi32(hi[r][0], c0, bh);
+        hi[r][1] = _mm512_dpbusd_epi32(hi[r][1], c1, bh);
+        lo[r][0] = _mm512_dpbusd_epi32(lo[r][0], c0, bl);
+        lo[r][1] = _mm512_dpbusd_epi32(lo[r][1], c1, bl);
+        if constexpr (kThird) {
+          const __m512i bt = FourBytes(x.third.data() + k);
+          third[r][0] = _mm512_dpbusd_epi32(third[r][0], c0, bt);
+          third[r][1] = _mm512_dpbusd_epi32(third[r][1], c1, bt);
+        }
+      }
+    }
+    const float* sg = scale + gi * 64 + 32 * h;
+    const float* mg = low + gi * 64 + 32 * h;
+    for (int r = 0; r < MR; ++r) {
+      const int64_t at = rows[r] * x.groups + gi;
+      // a wide row's sums in units of 1/256 of a step (hi * 65536 + lo * 256 + third): in floats,
+      // past int32's range
+      const float unit = kThird ? 1.0f / 256 : 1.0f;
+      const __m512 xs = _mm512_set1_ps(x.scale[at] * unit);
+      const __m512 sum = _mm512_set1_ps(
+          kThird ? 256.0f * x.sum[at] + x.third_sum[at] : static_cast<float>(x.sum[at]));
+      for (int v = 0; v < 2; ++v) {
+        const __m512i total = _mm512_add_epi32(_mm512_slli_epi32(hi[r][v], 8), lo[r][v]);
+        __m512 dot = _mm512_cvtepi32_ps(total);
+        if constexpr (kThird)
+          dot = _mm512_fmadd_ps(dot, _mm512_set1_ps(256.0f), _mm512_cvtepi32_ps(third[r][v]));
+        __m512 part = _mm512_mul_ps(dot, _mm512_load_ps(sg + 16 * v));
+        if constexpr (kMins) part = _mm512_fmadd_ps(sum, _mm512_load_ps(mg + 16 * v), part);
+        acc[r][v] = _mm512_fmadd_ps(xs, part, acc[r][v]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < 2; ++v)
+      if (keep[v]) _mm512_mask_storeu_ps(y + rows[r] * n + 16 * v, keep[v], acc[r][v]);
+}
+
+// Rows [mb, me) of x against one block of 64 columns from `y`'s first, codes in groups of G: the
+// rows that are not wide in blocks of four (then the rest), the wide ones in pairs.
+template <int G, bool kMins>
+static void ManyRowsBlockVnni(const RoundedX& x, int64_t mb, int64_t me,
+                              const __m512i (*quads)[4], const float* scale, const float* low,
+                              int64_t offset, float* y, int64_t n, int64_t columns) {
+  std::vector<int64_t> narrow, wide;
+  for (int64_t m = mb; m < me; ++m) (x.wide[m] ? wide : narrow).push_back(m);
+  const int64_t count = static_cast<int64_t>(narrow.size());
+  for (int h = 0; h < 2 && 32 * h < columns; ++h) {
+    __mmask16 keep[2];
+    for (int v = 0; v < 2; ++v) {
+      const int64_t left = columns - 32 * h - 16 * v;
+      keep[v] = left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
+    }
+    float* yh = y + 32 * h;
+    const int64_t* rows = narrow.data();
+    int64_t i = 0;
+    for (; i + 4 <= count; i += 4)
+      ManyRowsMicroVnni<4, G, kMins>(x, quads, scale, low, offset, rows + i, h, yh, n, keep);
+    const int64_t* rest = rows + i;
+    switch (count - i) {
+      case 3: ManyRowsMicroVnni<3, G, kMins>(x, quads, scale, low, offset, rest, h, yh, n, keep);
+              break;
+      case 2: ManyRowsMicroVnni<2, G, kMins>(x, quads, scale, low, offset, rest, h, yh, n, keep);
+              break;
+      case 1: ManyRowsMicroVnni<1, G, kMins>(x, quads, scale, low, offset, rest, h, yh, n, keep);
+              break;
+    }
+    const int64_t pairs = static_cast<int64_t>(wide.size()) / 2 * 2;
+    for (i = 0; i < pairs; i += 2)
+      ManyRowsMicroVnni<2, G, kMins, true>(x, quads, scale, low, offset, wide.data() + i, h, yh, n,
+                                           keep);
+    if (pairs < static_cast<int64_t>(wide.size()))
+      ManyRowsMicroVnni<1, G, kMins, true>(x, quads, scale, low, offset, wide.data() + pairs, h,
+                                           yh, n, keep);
+  }
+}
+
+// `ManyRowsBlockVnni` for groups of g (16, 32, 48 or 64).
+template <bool kMins>
+static auto ManyRowsBlockFor(int64_t g) {
+  switch (g) {
+    case 16: return ManyRowsBlockVnni<16, kMins>;
+    case 32: return ManyRowsBlockVnni<32, kMins>;
+    case 48: return ManyRowsBlockVnni<48, kMins>;
+    default: return ManyRowsBlockVnni<64, kMins>;
+  }
+}
+
+// Columns [j0, j0 + 64) of y (those below n), rows [mb, me) of x, codes of an offset `offset`:
+// `decode(j0, mask, quads)` transposes all of K's codes of those columns (those of `mask`) into
+// `quads` [K / 4][16 columns].
+template <typename Decode>
+static void ManyRowsVnni(const Operands& o, const RoundedX& x, int64_t offset, int64_t n,
+                         int64_t j0, int64_t mb, int64_t me, const Decode& decode) {
+  const int64_t g = o.k / o.groups;
+  const bool mins = o.mn || o.mn_half;
+  std::vector<__m512i> quads(o.k);  // [K / 4][4]
+  std::vector<__m512> scales(o.groups * 4), lows(mins ? o.groups * 4 : 0);  // [groups][64]
+  float* scale = reinterpret_cast<float*>(scales.data());
+  float* low = reinterpret_cast<float*>(lows.data());
+  const auto block = reinterpret_cast<__m512i (*)[4]>(quads.data());
+  const __mmask64 mask = ColumnMask(n - j0);
+  decode(j0, mask, block);
+  for (int64_t gi = 0; gi < o.groups; ++gi)
+    for (int v = 0; v < 4; ++v) {
+      const __mmask16 keep = static_cast<__mmask16>(mask >> (16 * v));
+      const int64_t at = gi * n + j0 + 16 * v;
+      _mm512_store_ps(scale + gi * 64 + 16 * v, GroupRow(o.s, o.s_half, at, keep));
+      if (mins) _mm512_store_ps(low + gi * 64 + 16 * v, GroupRow(o.mn, o.mn_half, at, keep));
+    }
+  const auto run = mins ? ManyRowsBlockFor<true>(g) : ManyRowsBlockFor<false>(g);
+  run(x, mb, me, block, scale, low, offset, o.out + j0, n, std::min<int64_t>(64, n - j0));
+}
+
+// The rows of x a work item of `ManyRowsParallel` takes at most: at 512 rows (a prefill chunk's
+// bucket), four items a block of columns, so that narrow kernels (k and v: 192 columns, three
+// blocks) still keep every thread busy; a block's codes are decoded once an item.
+constexpr int64_t kRowChunk = 128;
+
+// `ManyRowsVnni` over every block of 64 columns and chunk of rows (about equal, in fours), claimed
+// one at a time on the pool's threads and this one.
+template <typename Decode>
+static void ManyRowsParallel(ffi::ThreadPool& pool, const Operands& o, const RoundedX& x,
+                             int64_t offset, int64_t n, const Decode& decode) {
+  const int64_t chunks = (o.m + kRowChunk - 1) / kRowChunk;
+  const int64_t rows = ((o.m + chunks - 1) / chunks + 3) / 4 * 4;
+  ParallelFor(pool, (n + 63) / 64 * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t mb = i % chunks * rows;
+      if (mb < o.m) ManyRowsVnni(o, x, offset, n, i / chunks * 64, mb, std::min(o.m, mb + rows),
+                                 decode);
+    }
+  });
+}
+
+// Int8 codes [K, N] in groups of G (GGUF's Q8_0), outputs [jb, je) of y, one row of x: per group
+// and block of 64 columns, the group's rows transposed into quads in registers and multiplied as
+// packed codes are, with an offset of 128.
 static void GroupedColumnsVnni(const Operands& o, const RoundedX& x, int64_t n, int64_t jb,
                                int64_t je) {
-  const int64_t g = o.k / o.groups, m = o.m;
+  const int64_t g = o.k / o.groups;
   const Packing p{8, 128, g, g};
-  for (int64_t mi = 0; mi < m; ++mi) std::fill(o.out + mi * n + jb, o.out + mi * n + je, 0.0f);
-  alignas(64) __m512i quads[16][4];  // [quad of K in the group (G <= 64)][16 columns]
+  std::fill(o.out + jb, o.out + je, 0.0f);
   for (int64_t gi = 0; gi < o.groups; ++gi) {
     for (int64_t j0 = jb; j0 < je; j0 += 64) {
       const int8_t* base = o.c + gi * g * n + j0;
       if (gi + 1 < o.groups) PrefetchUnit(reinterpret_cast<const uint8_t*>(base + g * n), n, g);
       const __mmask64 mask = ColumnMask(je - j0);
-      if (m == 1) {
-        __m512i hi[4], lo[4];  // [16 columns]: int sums of the codes (plus 128) x hi / x lo
-        for (int v = 0; v < 4; ++v) hi[v] = lo[v] = _mm512_setzero_si512();
-        for (int64_t q = 0; q < g / 4; ++q) {
-          __m512i quad[4];
-          ByteQuads(base + 4 * q * n, n, mask, quad);
-          const __m512i bh = FourBytes(x.hi.data() + gi * g + 4 * q);
-          const __m512i bl = FourBytes(x.lo.data() + gi * g + 4 * q);
-          for (int v = 0; v < 4; ++v) {
-            hi[v] = _mm512_dpbusd_epi32(hi[v], quad[v], bh);
-            lo[v] = _mm512_dpbusd_epi32(lo[v], quad[v], bl);
-          }
+      __m512i hi[4], lo[4];  // [16 columns]: int sums of the codes (plus 128) x hi / x lo
+      for (int v = 0; v < 4; ++v) hi[v] = lo[v] = _mm512_setzero_si512();
+      for (int64_t q = 0; q < g / 4; ++q) {
+        __m512i quad[4];
+        ByteQuads(base + 4 * q * n, n, mask, quad);
+        const __m512i bh = FourBytes(x.hi.data() + gi * g + 4 * q);
+        const __m512i bl = FourBytes(x.lo.data() + gi * g + 4 * q);
+        for (int v = 0; v < 4; ++v) {
+          hi[v] = _mm512_dpbusd_epi32(hi[v], quad[v], bh);
+          lo[v] = _mm512_dpbusd_epi32(lo[v], quad[v], bl);
         }
-        AddGroup(o, p, x, n, 0, gi, j0, je, hi, lo);
-        continue;
       }
-      for (int64_t q = 0; q < g / 4; ++q) ByteQuads(base + 4 * q * n, n, mask, quads[q]);
-      int64_t m0 = 0;
-      for (; m0 + 2 <= m; m0 += 2)
-        RowsMicroVnni<2>(o, p, x, n, quads, g / 4, gi * g, gi, m0, j0, je);
-      if (m0 < m) RowsMicroVnni<1>(o, p, x, n, quads, g / 4, gi * g, gi, m0, j0, je);
+      AddGroup(o, p, x, n, 0, gi, j0, je, hi, lo);
     }
   }
 }
 
+// Whether the integer path serves codes in groups of g in this packing: int8 codes in groups of 16
+// to 64; packed codes in groups of a multiple of 16 within units of at most 64 codes (every GGUF
+// block type kept packed), and for 5 and 6 bits `vpmultishiftqb`.
+static bool IntegerDotServes(int64_t g, const Packing& p) {
+  if (p.bits == 8) return g % 16 == 0 && g <= 64;  // int8 codes, a unit a group
+#if !defined(__AVX512VBMI__)
+  if (p.bits != 4) return false;
+#endif
+  return g % 16 == 0 && p.unit <= 64 && p.unit % g == 0 && p.unit / g <= 2 &&
+         (p.bits == 4 || p.unit / 2 == 16);
+}
+
+
 static bool IntegerGroupedDot(ffi::ThreadPool& pool, const Operands& o, int64_t n, int64_t grain) {
   const int64_t g = o.k / o.groups;
-  if (g % 16 || g > 64) return false;
-  const RoundedX rounded = RoundX(o);  // once, before the ranges share it
+  if (!IntegerDotServes(g, Packing{8, 128, g, g})) return false;
+  const RoundedX rounded = RoundX(o, pool);  // once, before the ranges share it
+  if (o.m != 1) {
+    ManyRowsParallel(pool, o, rounded, 128, n,
+                     [&](int64_t j0, __mmask64 mask, __m512i (*quads)[4]) {
+                       for (int64_t q = 0; q < o.k / 4; ++q)
+                         ByteQuads(o.c + 4 * q * n + j0, n, mask, quads[q]);
+                     });
+    return true;
+  }
   ParallelFor(pool, n, grain,
               [&](int64_t jb, int64_t je) { GroupedColumnsVnni(o, rounded, n, jb, je); });
   return true;
@@ -913,40 +1098,56 @@ static void TableRowsVnni(const Operands& o, const RoundedX& x, int64_t v, int64
 static bool IntegerTableDot(ffi::ThreadPool& pool, const Operands& o, int64_t v, int64_t grain) {
   const int64_t g = o.k / o.groups;
   if (o.m < 2 || g % 16 || g > 64) return false;  // one row: the float kernel, at memory speed
-  const RoundedX rounded = RoundX(o);
+  const RoundedX rounded = RoundX(o, pool);
   ParallelFor(pool, v, (grain + 15) / 16 * 16,
               [&](int64_t vb, int64_t ve) { TableRowsVnni(o, rounded, v, vb, ve); });
   return true;
 }
 
-// Whether the integer path serves this packing: groups of a multiple of 16 within units of at
-// most 64 codes (every GGUF block type kept packed), and for 5 and 6 bits `vpmultishiftqb`.
-static bool IntegerDotServes(const Operands& o, const Packing& p) {
-  const int64_t g = o.k / o.groups;
-#if !defined(__AVX512VBMI__)
-  if (p.bits != 4) return false;
-#endif
-  return g % 16 == 0 && p.unit <= 64 && p.unit % g == 0 && p.unit / g <= 2 &&
-         (p.bits == 4 || p.unit / 2 == 16);
-}
-
-template <int kWidth, bool kTwoGroups>
-static void PackedColumnsVnni(const Operands& o, const Packing& p, const uint8_t* c, int64_t n,
-                              const RoundedX& x, int64_t jb, int64_t je) {
-  if (o.m == 1) return PackedOneRowVnni<kWidth, kTwoGroups>(o, p, c, n, x, jb, je);
-  PackedRowsVnni<kWidth, kTwoGroups>(o, p, c, n, x, jb, je);
-}
-
-// The integer path for this packing's top bits and groups a unit.
-using IntegerColumns = void (*)(const Operands&, const Packing&, const uint8_t*, int64_t,
-                                const RoundedX&, int64_t, int64_t);
-static IntegerColumns IntegerColumnsFor(const Packing& p, int64_t g) {
-  const bool two = p.unit / g == 2;
+// `PackedOneRowVnni` for this packing's top bits and groups a unit.
+static auto OneRowVnniFor(const Packing& p, int64_t g) {
+  const bool two = p.unit / g == 2;  // Q6_K: two groups a unit
   switch (p.bits) {
-    case 5: return two ? PackedColumnsVnni<1, true> : PackedColumnsVnni<1, false>;
-    case 6: return two ? PackedColumnsVnni<2, true> : PackedColumnsVnni<2, false>;
-    default: return two ? PackedColumnsVnni<0, true> : PackedColumnsVnni<0, false>;
+    case 5: return two ? PackedOneRowVnni<1, true> : PackedOneRowVnni<1, false>;
+    case 6: return two ? PackedOneRowVnni<2, true> : PackedOneRowVnni<2, false>;
+    default: return two ? PackedOneRowVnni<0, true> : PackedOneRowVnni<0, false>;
   }
+}
+
+// Several rows of x, packed codes: `ManyRowsParallel` over the units' codes decoded into quads.
+template <int kWidth>
+static void PackedManyRowsVnni(ffi::ThreadPool& pool, const Operands& o, const Packing& p,
+                               const uint8_t* c, int64_t n, const RoundedX& x) {
+  const int64_t half = p.unit / 2, quads = p.unit / 4;  // a unit's quads of K
+  ManyRowsParallel(pool, o, x, p.offset, n, [&](int64_t j0, __mmask64 mask, __m512i (*out)[4]) {
+    for (int64_t u = 0; u < o.k / p.unit; ++u) {
+      const uint8_t* base = c + u * p.unit_rows * n + j0;
+      for (int64_t rb = 0; rb < half / 4; ++rb)
+        DecodeQuads<kWidth>(base, n, half, rb, mask, out[u * quads + rb],
+                            out[u * quads + half / 4 + rb]);
+    }
+  });
+}
+
+// y = x . W for packed codes through integer dots where they serve the packing; false where not.
+// x is rounded once; one row of x runs in column ranges of `grain` (`PackedOneRowVnni`), several
+// in blocks of columns and rows (`PackedManyRowsVnni`).
+static bool IntegerPackedDot(ffi::ThreadPool& pool, const Operands& o, const Packing& p,
+                             const uint8_t* c, int64_t n, int64_t grain) {
+  const int64_t g = o.k / o.groups;
+  if (!IntegerDotServes(g, p)) return false;
+  const RoundedX x = RoundX(o, pool);  // once, before the ranges share it
+  if (o.m != 1) {
+    switch (p.bits) {
+      case 5: PackedManyRowsVnni<1>(pool, o, p, c, n, x); break;
+      case 6: PackedManyRowsVnni<2>(pool, o, p, c, n, x); break;
+      default: PackedManyRowsVnni<0>(pool, o, p, c, n, x); break;
+    }
+    return true;
+  }
+  const auto one_row = OneRowVnniFor(p, g);
+  ParallelFor(pool, n, grain, [&](int64_t jb, int64_t je) { one_row(o, p, c, n, x, jb, je); });
+  return true;
 }
 #endif
 
@@ -989,13 +1190,7 @@ static ffi::Error PackedDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const uint8_t* c = codes.typed_data() + cm.offset;
   const int64_t grain = ColumnGrain(n, pool);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if (IntegerDotServes(o, p)) {
-    const RoundedX rounded = RoundX(o);  // once, before the ranges share it
-    const IntegerColumns columns = IntegerColumnsFor(p, g);
-    ParallelFor(pool, n, grain,
-                [&](int64_t jb, int64_t je) { columns(o, p, c, n, rounded, jb, je); });
-    return ffi::Error::Success();
-  }
+  if (IntegerPackedDot(pool, o, p, c, n, grain)) return ffi::Error::Success();
 #endif
   if (half) {
     scales32.resize(groups * n);
@@ -1009,6 +1204,25 @@ static ffi::Error PackedDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   }
   ParallelFor(pool, n, grain, [&](int64_t jb, int64_t je) { PackedColumns(o, p, c, n, jb, je); });
   return ffi::Error::Success();
+}
+
+// The most rows of x a layer kernel takes for codes of `bits` (8: int8 codes; 4, 5, 6 packed) in
+// groups of `group`, for `meshserve.model.native_dot.matmul`; beyond, XLA's dot of the
+// dequantized layer. Where the integer path serves them: every row count the engine runs (up to
+// 512: prefill chunks beside decodes). SmolLM2's MLP shapes (576 x 1536 and 1536 x 576), one dot,
+// medians of 7 interleaved repeats on a loaded 2-core machine (`scripts/quantized_dot_ffi/rows.py
+// --baseline HEAD`), this kernel against XLA's path, Q4_1 576 x 1536: 0.23 against 1.41 ms at 16
+// rows, 1.36 against 2.16 at 128, 3.83 against 5.88 at 272, 7.16 against 10.68 at 512; Q6_K 6.43
+// against 7.59 at 512; Q8_0 and Q5_0 as far ahead (minimums ahead everywhere). The float kernels
+// (no VNNI, or groups the integer dots do not take) keep the 16 rows every kernel had before
+// (beyond, XLA's blocked dot of the dequantized layer was taken to be as fast; not remeasured).
+extern "C" int64_t MeshserveMaxRows(int64_t bits, int64_t group) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  const bool packed = bits != 8;
+  const Packing p{bits, packed ? 0 : 128, packed && bits != 4 ? 32 : group, 0};  // as PackedDot
+  if (group > 0 && IntegerDotServes(group, p)) return std::numeric_limits<int64_t>::max();
+#endif
+  return 16;
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshservePackedDot, PackedDot,

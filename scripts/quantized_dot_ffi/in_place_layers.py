@@ -5,8 +5,7 @@ layer's codes into a buffer of their own before every native call), interleaved 
     .venv/bin/python scripts/quantized_dot_ffi/in_place_layers.py [--model smollm2-135m-instruct]
         [--repeats 15] [--steps 10] [--context 128] [--tokens 1]
 
-`--tokens` over `MAX_ROWS` (16) steps a prefill chunk of one row instead, which XLA's dots serve
-from the layer's slice either way.
+`--tokens` over 1 steps a prefill chunk of that many tokens of one sequence instead.
 
 Both runners share the loaded model; "sliced" is compiled with `layer_stacked_kernels` finding
 no kernel, which is the scan as it runs without native kernels. Prints each program's count of

@@ -84,23 +84,24 @@ def test_native_dot_matches_the_jnp_path(name, rows):
     _assert_within_x_rounding(got, want, x, dequantize(q.map(np.asarray)), q.format.group)
 
 
-def _x_rounding_bound(x: np.ndarray, w: np.ndarray, g: int) -> np.ndarray:
+def _x_rounding_bound(x: np.ndarray, w: np.ndarray, g: int, finer: float = 1) -> np.ndarray:
     """The most the kernels' integer path may move each output [M, N]: it rounds every
     row of x per group of the kernel's G to a step of 1/32512 of the group's largest |x| (16
-    bits), an error of at most half a step a value, so output (m, j) moves at most the sum over
-    groups of that half step times the group's sum of |w[k, j]|; plus float32 rounding of the
-    sums, relative to the sum of |x w| (both paths sum ~K products)."""
+    bits; `finer` times smaller for rows kept to more bits), an error of at most half a step a
+    value, so output (m, j) moves at most the sum over groups of that half step times the
+    group's sum of |w[k, j]|; plus float32 rounding of the sums, relative to the sum of |x w|
+    (both paths sum ~K products)."""
     k, n = w.shape
-    half_step = np.abs(x).reshape(len(x), k // g, g).max(-1) / 32512 / 2  # [M, K / G]
+    half_step = np.abs(x).reshape(len(x), k // g, g).max(-1) / 32512 / 2 / finer  # [M, K / G]
     weight = np.abs(w).reshape(k // g, g, n).sum(1)  # [K / G, N]
     return half_step @ weight + 1e-6 * (np.abs(x) @ np.abs(w))
 
 
-def _assert_within_x_rounding(got, want, x, w, g: int) -> None:
+def _assert_within_x_rounding(got, want, x, w, g: int, finer: float = 1) -> None:
     """`got` [M, N] against `want` for x [M, K] and the dequantized kernel w [K, N] (groups
     of g along K)."""
     got, want, x, w = (np.asarray(a, np.float64) for a in (got, want, x, w))
-    bound = _x_rounding_bound(x, w, g)
+    bound = _x_rounding_bound(x, w, g, finer)
     worst = np.abs(got - want) / bound
     assert worst.max() <= 1.0, f"output {np.unravel_index(worst.argmax(), worst.shape)} is off " \
                                f"by {worst.max():.2f}x the rounding bound"
@@ -117,24 +118,27 @@ CASES = {  # Q4_1 (mins of their own), Q4_0 (-8 d), Q4 in groups of 64, Q5_0, Q5
     # groups of 8: the float path (the integer one takes groups of 16 to 64), its float16
     # scales (some subnormal) converted in the kernel
     "q4-g8": (dataclasses.replace(FORMATS["4-bit"], group=8), "random"),
-    # int8 codes [K, N]: Q8_0, with minimums, in groups of 16
+    # int8 codes [K, N]: Q8_0, with minimums, in groups of 16 and of 48
     "q8_0": (FORMATS["q8_0"], None),
     "q8-mins": (FORMATS["mins"], "random"),
     "q8-g16": (FORMATS["q6_k"], None),
+    "q8-g48": (dataclasses.replace(FORMATS["q8_0"], group=48), None),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("rows", [1, 4, 9, 16])
+@pytest.mark.parametrize("rows", [1, 4, 9, 16, 17, 40, 130])
 @pytest.mark.parametrize("n", [611, 45])
 def test_kernels_are_off_the_float_path_by_x_rounding_at_most(case, rows, n):
     """Packed and int8 codes (float16 scales as a file's blocks keep them, float32 for Q6_K) at
-    every decode row count (1; 4 and 16, pairs of rows; 9, pairs and one alone) and odd widths:
-    611 outputs (ranges of 256, 256 and 99: whole blocks of 64 columns and a ragged one) and 45
+    decode row counts (1; 4 and 16, blocks of four rows; 9, blocks and one alone) and a prefill
+    chunk's (17 and 40: blocks of four and a rest; 130: two chunks of rows, 68 and 62), where
+    the kernel takes them (`max_rows`; beyond, XLA's dot), and odd widths: 611 outputs (at one
+    row, ranges of 256, 256 and 99; at several, blocks of 64 columns; a ragged one last) and 45
     (one ragged block). x has a group of zeros and values far apart in size. With AVX-512 VNNI
-    the kernels round x to 16 bits per group (integer dots), so they are
-    held to the bound that rounding allows, which a lost bit of x, a column or a code out of
-    place would exceed many times; without, the float path is well inside it."""
+    the kernels round x to 16 bits per group (integer dots), so they are held to the bound that
+    rounding allows, which a lost bit of x, a column or a code out of place would exceed many
+    times; without, the float path is well inside it."""
     fmt, mins = CASES[case]
     rng = np.random.default_rng(4)
     k = 192  # three units of 64 codes, six of 32
@@ -154,9 +158,35 @@ def test_kernels_are_off_the_float_path_by_x_rounding_at_most(case, rows, n):
     want = jax.jit(lambda x, q: quantized_matmul("nd,df->nf", x, q))(x, q)
     with native_dot.enabled():
         lowered = jax.jit(lambda x, q: quantized_matmul("nd,df->nf", x, q)).lower(x, q)
-    assert _target(fmt) in lowered.as_text()
+    assert (_target(fmt) in lowered.as_text()) == (rows <= native_dot.max_rows(fmt))
     _assert_within_x_rounding(lowered.compile()(x, q), want, x, dequantize(q.map(np.asarray)),
                               fmt.group)
+
+
+@pytest.mark.parametrize("case", ["q4_1", "q6_k", "q8_0"])
+def test_a_row_with_a_massive_activation_is_rounded_to_24_bits(case):
+    """A row whose largest |x| is hundreds of times the rest (a massive activation: SmolLM2's
+    down projection sees them at a prompt's first token), among rows that run in blocks of four:
+    16 bits of its groups' largest |x| would leave the other values of a group a few bits, so
+    the several-row kernels keep it to 24 (8 more, `kWide` in the kernel) and hold it to a bound
+    256 times finer; the other rows keep theirs."""
+    fmt, mins = CASES[case]
+    rng = np.random.default_rng(5)
+    k, n, rows = 192, 70, 9
+    low, high = _code_range(fmt)
+    codes = rng.integers(low, high + 1, (k // fmt.group, fmt.group, n))
+    scales = rng.uniform(0.001, 0.02, (k // fmt.group, n))
+    q = from_codes(codes, scales, -8 * scales if mins else None, fmt).map(jnp.asarray)
+    x = rng.standard_normal((rows, k))
+    wide = np.array([1, 6, 7])  # a pair and one alone
+    x[wide, [37, 100, 191]] = [3000.0, -800.0, 5000.0]
+    x = jnp.asarray(x, jnp.float32)
+    want = jax.jit(lambda x, q: quantized_matmul("nd,df->nf", x, q))(x, q)
+    with native_dot.enabled():
+        got = jax.jit(lambda x, q: quantized_matmul("nd,df->nf", x, q))(x, q)
+    w = dequantize(q.map(np.asarray))
+    _assert_within_x_rounding(got[wide], want[wide], x[wide], w, fmt.group, finer=256)
+    _assert_within_x_rounding(got, want, x, w, fmt.group)
 
 
 @pytest.mark.parametrize("case", ["q4_1", "q8_0"])
@@ -276,10 +306,16 @@ def test_a_format_the_kernel_does_not_serve_keeps_the_jnp_path():
     assert native_dot.matmul("nd,df->nf", jnp.ones((1, 64), jnp.float32), q) is None
     grouped = _kernel(FORMATS["4-bit"], 64, 32)
     assert native_dot.matmul("nd,df->nf", jnp.ones((1, 64), jnp.bfloat16), grouped) is None
-    # more rows than a decode step's (a prefill chunk) go to XLA's dot
-    many = jnp.ones((native_dot.MAX_ROWS + 1, 64), jnp.float32)
-    assert native_dot.matmul("nd,df->nf", many, grouped) is None
-    assert native_dot.matmul("nd,df->nf", many[:native_dot.MAX_ROWS], grouped) is not None
+    # the float kernels (groups of 8, which the integer dots do not take) serve a decode step's
+    # rows; more (a prefill chunk) go to XLA's dot
+    float_only = _kernel(dataclasses.replace(FORMATS["4-bit"], group=8), 64, 32)
+    assert native_dot.max_rows(float_only.format) == 16
+    many = jnp.ones((17, 64), jnp.float32)
+    assert native_dot.matmul("nd,df->nf", many, float_only) is None
+    assert native_dot.matmul("nd,df->nf", many[:16], float_only) is not None
+    # where the integer dots serve a format, prefill chunks of up to 512 rows run natively
+    rows = min(native_dot.max_rows(grouped.format), 512)
+    assert native_dot.matmul("nd,df->nf", jnp.ones((rows, 64), jnp.float32), grouped) is not None
 
 
 def test_an_engine_with_native_kernels_gives_the_tokens_of_one_without():
