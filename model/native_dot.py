@@ -31,8 +31,10 @@ keeps a third byte, 1/256 of that; greedy tokens stay those of HF's float model
 transposed once and every block of four rows runs the whole of K against them, so prefill
 chunks (up to 512 rows) run here too, faster than XLA's dot of the dequantized layer
 (`max_rows`). The table kernel takes integer dots too at several rows of x (16 rows of the table
-a block, a lane a row); at one row it stays in floats, where it reads the table about as fast as
-memory allows. Without VNNI, the float kernels serve everything.
+a block, a lane a row); where the CPU has AMX, through its tile multiplies instead (`tdpbssd`:
+16 rows of the table, read where they lie, by 16 rows of x's halves, the same exact int32 sums);
+at one row it stays in floats, where it reads the table about as fast as memory allows. Without
+VNNI, the float kernels serve everything.
 
 It is built on first use with the system's C++ compiler against jaxlib's FFI headers, into
 `~/.cache/meshserve/native/` (keyed by the source, jax's version and the machine), and
@@ -207,8 +209,9 @@ def serves_table(x: jax.Array, table: QuantizedArray) -> bool:
 
 
 def table_dot(x: jax.Array, table: QuantizedArray) -> jax.Array:
-    """`x [..., D] . dequantized table [V, D]^T` -> [..., V] through the native kernel."""
-    return _call(TABLE_TARGET, x, table, table.values.shape[0], None)
+    """`x [..., D] . dequantized table [V, D]^T` -> [..., V] through the native kernel, which
+    reads float16 scales and mins (a GGUF's Q8_0 blocks) in place."""
+    return _call(TABLE_TARGET, x, table, table.values.shape[0], None, keep_float16=True)
 
 
 def _served(x: jax.Array, q: QuantizedArray, *, num_out: int, bits: tuple[int, ...],
@@ -222,9 +225,10 @@ def _served(x: jax.Array, q: QuantizedArray, *, num_out: int, bits: tuple[int, .
 def _call(target: str, x: jax.Array, q: QuantizedArray, width: int, layer: jax.Array | None,
           *, keep_float16: bool = False, **attributes) -> jax.Array:
     """`target` on x's rows, q's codes and its scales and mins in float32 (no mins: an empty
-    array) -> [..., width]. With `keep_float16` (the packed kernel, which reads them so), float16
-    scales and mins are passed as they are: XLA's conversion would write twice their bytes
-    before each call, which at one row of x costs about as much as reading the codes.
+    array) -> [..., width]. With `keep_float16` (the packed and the table kernels, which read them
+    so), float16 scales and mins are passed as they are: XLA's conversion would write twice
+    their bytes before each call, which at one row of x costs about as much as reading the
+    codes (Gemma 3's 262,144 x 640 table: 21 MB of float32 scales a step, written and read).
 
     With `layer`, q is a stack of layers' kernels ([L, K, N]; not the table kernel's): the
     layer kernels take the stacked codes (and float16 scales and mins) whole, and the index,

@@ -19,7 +19,8 @@
 // that for a row with a massive activation: `kWide`). Several rows run in blocks of 64 columns
 // and four rows over the whole of K (`ManyRowsVnni`), prefill chunks included (up to 512 rows:
 // `MeshserveMaxRows`). The table kernel takes integer dots too at several rows of x
-// (`TableRowsVnni`); at one row it stays in floats. Without VNNI (or for other groups), the float
+// (`TableRowsVnni`; with AMX, tile multiplies of 16 rows of the table by 16 rows of x,
+// `TableRowsAmx`); at one row it stays in floats. Without VNNI (or for other groups), the float
 // paths.
 //
 // The kernels split their outputs into column (or vocabulary) ranges that run on XLA's
@@ -38,6 +39,10 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #include "xla/ffi/api/ffi.h"
@@ -1032,10 +1037,26 @@ static inline void TableQuads(const int8_t* rows, int64_t d, int64_t d0, __mmask
   }
 }
 
+// The scales (or minimums) of table rows vi .. vi + count - 1 as float32 [count, groups]: where
+// they lie if they are float32 (`f`), else (`h`, float16) converted into `buf`.
+static inline const float* TableBlockScales(const float* f, const uint16_t* h, int64_t groups,
+                                            int64_t vi, int64_t count, float* buf) {
+  if (!h) return f + vi * groups;
+  const int64_t total = count * groups;
+  for (int64_t i = 0; i < total; i += 16) {
+    const __mmask16 keep =
+        total - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (total - i)) - 1);
+    _mm512_mask_storeu_ps(buf + i, keep,
+                          _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(keep, h + vi * groups + i)));
+  }
+  return buf;
+}
+
 // MR rows of x from m0 against 16 rows of the table (`quads` [D / 4]: the block's codes plus
 // 128, a lane a row), y[m0 .. m0 + MR, vi .. vi + 15] (those of `valid`): per group, the int32 sums
 // of MR rows x 16 table rows stay in registers, then take x's scale and the rows' scales
-// (`scale` [groups] vectors of 16 rows, and `low` the minimums) into float sums in registers.
+// (`scale` [groups] vectors of 16 rows, and `low` the minimums, nullptr: none) into float sums
+// in registers.
 template <int MR>
 static inline void TableRowsMicroVnni(const Operands& o, const RoundedX& x, int64_t v,
                                       const __m512i* quads, const __m512* scale, const __m512* low,
@@ -1059,7 +1080,7 @@ static inline void TableRowsMicroVnni(const Operands& o, const RoundedX& x, int6
                                              _mm512_set1_epi32(128 * sum));
       y[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(total), _mm512_set1_ps(xs)),
                              scale[gi], y[r]);
-      if (o.mn) y[r] = _mm512_fmadd_ps(_mm512_set1_ps(xs * static_cast<float>(sum)), low[gi], y[r]);
+      if (low) y[r] = _mm512_fmadd_ps(_mm512_set1_ps(xs * static_cast<float>(sum)), low[gi], y[r]);
     }
   }
   for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(o.out + (m0 + r) * v + vi, valid, y[r]);
@@ -1072,34 +1093,173 @@ static inline void TableRowsMicroVnni(const Operands& o, const RoundedX& x, int6
 static void TableRowsVnni(const Operands& o, const RoundedX& x, int64_t v, int64_t vb,
                           int64_t ve) {
   const int64_t d = o.k, groups = o.groups;
+  const bool mins = o.mn || o.mn_half;
   std::vector<__m512i> quads(d / 4 + 16);
   std::vector<__m512> scale(groups), low(groups);
+  std::vector<float> scale_rows(16 * groups), low_rows(16 * groups);
   const __m512i row = _mm512_mullo_epi32(  // lane i: row i's first scale, i * groups
       _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
       _mm512_set1_epi32(static_cast<int32_t>(groups)));
   for (int64_t vi = vb; vi < ve; vi += 16) {
-    const __mmask16 valid = ve - vi >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (ve - vi)) - 1);
+    const int64_t count = std::min<int64_t>(16, ve - vi);
+    const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
     for (int64_t d0 = 0; d0 < d; d0 += 64)
       TableQuads(o.c + vi * d, d, d0, valid, quads.data() + d0 / 4);
+    const float* s = TableBlockScales(o.s, o.s_half, groups, vi, count, scale_rows.data());
+    const float* mn = mins ? TableBlockScales(o.mn, o.mn_half, groups, vi, count, low_rows.data())
+                           : nullptr;
     for (int64_t gi = 0; gi < groups; ++gi) {  // row vi + i's scale of group gi in lane i
       const __m512i at = _mm512_add_epi32(row, _mm512_set1_epi32(static_cast<int32_t>(gi)));
-      scale[gi] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, at, o.s + vi * groups, 4);
-      if (o.mn)
-        low[gi] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, at, o.mn + vi * groups, 4);
+      scale[gi] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, at, s, 4);
+      if (mn) low[gi] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, at, mn, 4);
     }
+    const __m512* lows = mn ? low.data() : nullptr;
     int64_t m0 = 0;
     for (; m0 + 4 <= o.m; m0 += 4)
-      TableRowsMicroVnni<4>(o, x, v, quads.data(), scale.data(), low.data(), vi, valid, m0);
+      TableRowsMicroVnni<4>(o, x, v, quads.data(), scale.data(), lows, vi, valid, m0);
     for (; m0 < o.m; ++m0)
-      TableRowsMicroVnni<1>(o, x, v, quads.data(), scale.data(), low.data(), vi, valid, m0);
+      TableRowsMicroVnni<1>(o, x, v, quads.data(), scale.data(), lows, vi, valid, m0);
   }
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+// With AMX (tile multiplies), the table's rows need no transposing: `tdpbssd` multiplies a tile
+// A of 16 rows of the table by a group's G bytes of D (read where the rows lie, at a stride of D)
+// by a tile B of x's rounded halves laid out as it wants them (four bytes of D a row of x, 16
+// rows of x: `TableTilesX`, once a call), into exact int32 sums C [16 rows of the table][16 rows
+// of x], 16 x 16 x G products an instruction; signed codes times signed halves, so no offset.
+// Each group's two sums (hi, lo) then take the scales in floats as `TableRowsMicroVnni`'s do, a
+// vector a row of the table (a lane a row of x), and the block's sums are transposed into y.
+
+// Whether this process may use the tiles' state, which Linux grants on request (asked once).
+static bool AmxPermitted() {
+  static const bool permitted = [] {
+    constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
+    constexpr long kTileData = 18;               // XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return permitted;
+}
+
+// The tiles' shapes (palette 1): 0 and 1 the int32 sums [16][16] (x's hi and lo), 2 the table's
+// rows [16][G bytes], 3 and 4 x's hi and lo [G / 4][16 rows of x][4 bytes].
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// x rounded (`RoundedX`) as tiles B, per block of 16 rows of x (zeros past M) and group: hi and
+// lo [G / 4][16][4]; and x's scales and scales times rounded group sums (for minimums), [16].
+struct TableTilesX {
+  int64_t blocks, tile_bytes;
+  std::vector<int8_t> hi, lo;     // [blocks][groups][tile_bytes]
+  std::vector<float> scale, low;  // [blocks][groups][16]
+};
+
+static TableTilesX TilesOfX(const Operands& o, const RoundedX& x) {
+  const int64_t g = o.k / o.groups, blocks = (o.m + 15) / 16, tiles = blocks * o.groups;
+  TableTilesX t{blocks, 16 * g, std::vector<int8_t>(tiles * 16 * g),
+                std::vector<int8_t>(tiles * 16 * g), std::vector<float>(tiles * 16),
+                std::vector<float>(tiles * 16)};
+  for (int64_t m = 0; m < o.m; ++m)
+    for (int64_t gi = 0; gi < o.groups; ++gi) {
+      const int64_t tile = m / 16 * o.groups + gi, lane = m % 16;
+      for (int64_t k = 0; k < g; ++k) {
+        const int64_t at = tile * t.tile_bytes + k / 4 * 64 + lane * 4 + k % 4;
+        t.hi[at] = x.hi[m * o.k + gi * g + k];
+        t.lo[at] = x.lo[m * o.k + gi * g + k];
+      }
+      const float xs = x.scale[m * o.groups + gi];
+      t.scale[tile * 16 + lane] = xs;
+      t.low[tile * 16 + lane] = xs * static_cast<float>(x.sum[m * o.groups + gi]);
+    }
+  return t;
+}
+
+// Vocabulary rows [vb, ve) of the head for several rows of x, in blocks of 16 rows of the table
+// through the tiles; a last block of fewer rows through `TableRowsVnni`.
+static void TableRowsAmx(const Operands& o, const RoundedX& rounded, const TableTilesX& x,
+                         int64_t v, int64_t vb, int64_t ve) {
+  const int64_t d = o.k, groups = o.groups, g = d / groups;
+  TileConfig config;
+  for (int t = 0; t < 5; ++t) {
+    config.rows[t] = t < 3 ? 16 : static_cast<uint8_t>(g / 4);
+    config.colsb[t] = t == 2 ? static_cast<uint16_t>(g) : 64;
+  }
+  _tile_loadconfig(&config);
+  alignas(64) int32_t sums[2][2][16][16];  // [group % 2][hi, lo][row of the table][row of x]
+  alignas(64) float block[16][16];  // [row of the table][row of x]
+  std::vector<float> scale_rows(16 * groups), low_rows(16 * groups);
+  const __m512i column = _mm512_mullo_epi32(  // lane i: block[i][0]
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+      _mm512_set1_epi32(16));
+  int64_t vi = vb;
+  for (; vi + 16 <= ve; vi += 16) {
+    const float* s = TableBlockScales(o.s, o.s_half, groups, vi, 16, scale_rows.data());
+    const float* mn = o.mn || o.mn_half
+                          ? TableBlockScales(o.mn, o.mn_half, groups, vi, 16, low_rows.data())
+                          : nullptr;
+    for (int64_t b = 0; b < x.blocks; ++b) {
+      __m512 y[16];
+      for (int i = 0; i < 16; ++i) y[i] = _mm512_setzero_ps();
+      // group gi's sums (stored into sums[gi % 2]) take their scales while the next group's
+      // tile products run
+      const auto add_group = [&](int64_t gi) {
+        const int64_t tile = b * groups + gi;
+        const __m512 xs = _mm512_loadu_ps(x.scale.data() + tile * 16);
+        const __m512 xl = _mm512_loadu_ps(x.low.data() + tile * 16);
+        for (int i = 0; i < 16; ++i) {
+          const __m512i total =
+              _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sums[gi % 2][0][i]), 8),
+                               _mm512_load_si512(sums[gi % 2][1][i]));
+          y[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(total), xs),
+                                 _mm512_set1_ps(s[i * groups + gi]), y[i]);
+          if (mn) y[i] = _mm512_fmadd_ps(xl, _mm512_set1_ps(mn[i * groups + gi]), y[i]);
+        }
+      };
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        const int64_t tile = b * groups + gi;
+        if (b == 0)  // the rows two blocks on (16 D bytes, contiguous), a group's share at a time
+          for (int64_t at = gi * 16 * g; at < (gi + 1) * 16 * g; at += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(o.c + (vi + 32) * d + at), _MM_HINT_T0);
+        _tile_loadd(2, o.c + vi * d + gi * g, d);
+        _tile_loadd(3, x.hi.data() + tile * x.tile_bytes, 64);
+        _tile_loadd(4, x.lo.data() + tile * x.tile_bytes, 64);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_dpbssd(0, 2, 3);
+        _tile_dpbssd(1, 2, 4);
+        if (gi > 0) add_group(gi - 1);
+        _tile_stored(0, sums[gi % 2][0], 64);
+        _tile_stored(1, sums[gi % 2][1], 64);
+      }
+      add_group(groups - 1);
+      for (int i = 0; i < 16; ++i) _mm512_store_ps(block[i], y[i]);
+      for (int64_t r = 0; r < 16 && 16 * b + r < o.m; ++r)
+        _mm512_storeu_ps(o.out + (16 * b + r) * v + vi,
+                         _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(r)),
+                                             &block[0][0], 4));
+    }
+  }
+  _tile_release();
+  if (vi < ve) TableRowsVnni(o, rounded, v, vi, ve);
+}
+#endif
 
 static bool IntegerTableDot(ffi::ThreadPool& pool, const Operands& o, int64_t v, int64_t grain) {
   const int64_t g = o.k / o.groups;
   if (o.m < 2 || g % 16 || g > 64) return false;  // one row: the float kernel, at memory speed
   const RoundedX rounded = RoundX(o, pool);
-  ParallelFor(pool, v, (grain + 15) / 16 * 16,
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+  if (AmxPermitted()) {
+    const TableTilesX tiles = TilesOfX(o, rounded);
+    ParallelFor(pool, v, grain,
+                [&](int64_t vb, int64_t ve) { TableRowsAmx(o, rounded, tiles, v, vb, ve); });
+    return true;
+  }
+#endif
+  ParallelFor(pool, v, grain,
               [&](int64_t vb, int64_t ve) { TableRowsVnni(o, rounded, v, vb, ve); });
   return true;
 }
@@ -1238,10 +1398,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshservePackedDot, PackedDot,
                                   .Attr<int64_t>("offset"));
 
 
+// The table's scale (or minimum) `at`, stored as float16 (`h`) or float32 (`f`, h nullptr).
+static inline float TableScale(const float* f, const uint16_t* h, int64_t at) {
+#if defined(__AVX512F__) && defined(__F16C__)
+  return h ? _cvtsh_ss(h[at]) : f[at];
+#else
+  return h ? HalfToFloat(h[at]) : f[at];
+#endif
+}
+
 #if defined(__AVX512F__)
 // One row of x against VR rows of the table from `vi`: each group's codes are converted and
 // multiplied by x in registers (never stored as floats), the group's partial sum takes its scale
-// in the running sum (and x's group sum, `xsum`, the group's minimum), one reduction a row.
+// in the running sum (and x's group sum, `xsum`, the group's minimum; nullptr: no minimums), one
+// reduction a row.
 // The VR rows' sums are independent chains, so their latencies overlap. G a multiple of 16.
 template <int VR>
 static void TableOneRowMicro(const Operands& o, int64_t v, int64_t vi, const float* xsum) {
@@ -1255,6 +1425,9 @@ static void TableOneRowMicro(const Operands& o, int64_t v, int64_t vi, const flo
   for (int64_t gi = 0; gi < groups; ++gi) {
     __m512 part[VR];
     for (int a = 0; a < VR; ++a) part[a] = _mm512_setzero_ps();
+    // the rows two calls ahead (VR D bytes, contiguous), a group's share at a time
+    for (int64_t at = gi * VR * g; at < (gi + 1) * VR * g; at += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(o.c + (vi + 2 * VR) * d + at), _MM_HINT_T0);
     for (int64_t j = gi * g; j < (gi + 1) * g; j += 16) {
       const __m512 xv = _mm512_loadu_ps(o.xs + j);
       for (int a = 0; a < VR; ++a) {
@@ -1265,8 +1438,9 @@ static void TableOneRowMicro(const Operands& o, int64_t v, int64_t vi, const flo
       }
     }
     for (int a = 0; a < VR; ++a) {
-      total[a] = _mm512_fmadd_ps(part[a], _mm512_set1_ps(o.s[(vi + a) * groups + gi]), total[a]);
-      if (o.mn) low[a] += o.mn[(vi + a) * groups + gi] * xsum[gi];
+      const int64_t at = (vi + a) * groups + gi;
+      total[a] = _mm512_fmadd_ps(part[a], _mm512_set1_ps(TableScale(o.s, o.s_half, at)), total[a]);
+      if (xsum) low[a] += TableScale(o.mn, o.mn_half, at) * xsum[gi];
     }
   }
   for (int a = 0; a < VR; ++a) o.out[vi + a] = _mm512_reduce_add_ps(total[a]) + low[a];
@@ -1307,8 +1481,8 @@ static void TableBlock(const Operands& o, int64_t v, const float* rows, int64_t 
 // and D a multiple of 16: one row of x reads each row's codes straight into its dot
 // (`TableOneRowMicro`); several rows dequantize four rows of the table at a time into a buffer
 // in cache, then multiply them by every row of x (four of x at a time), so x is read once per
-// four rows of the table (with VNNI, `TableRowsVnni` instead). Otherwise each row of the table
-// is dequantized and dotted plainly.
+// four rows of the table (with VNNI, the integer paths instead: `IntegerTableDot`). Otherwise
+// each row of the table is dequantized and dotted plainly.
 static void TableRows(const Operands& o, int64_t v, int64_t vb, int64_t ve) {
   const int64_t m = o.m, d = o.k, groups = o.groups, g = d / groups;
   constexpr int64_t kBlock = 4;
@@ -1317,9 +1491,10 @@ static void TableRows(const Operands& o, int64_t v, int64_t vb, int64_t ve) {
     std::vector<float> xsum(groups, 0.0f);
     for (int64_t gi = 0; gi < groups; ++gi)
       for (int64_t j = gi * g; j < (gi + 1) * g; ++j) xsum[gi] += o.xs[j];
+    const float* sums = o.mn || o.mn_half ? xsum.data() : nullptr;
     int64_t vi = vb;
-    for (; vi + kBlock <= ve; vi += kBlock) TableOneRowMicro<kBlock>(o, v, vi, xsum.data());
-    for (; vi < ve; ++vi) TableOneRowMicro<1>(o, v, vi, xsum.data());
+    for (; vi + kBlock <= ve; vi += kBlock) TableOneRowMicro<kBlock>(o, v, vi, sums);
+    for (; vi < ve; ++vi) TableOneRowMicro<1>(o, v, vi, sums);
     return;
   }
 #endif
@@ -1330,8 +1505,9 @@ static void TableRows(const Operands& o, int64_t v, int64_t vb, int64_t ve) {
       const int8_t* code = o.c + (vi + a) * d;
       float* row = rows.data() + a * d;
       for (int64_t gi = 0; gi < groups; ++gi) {
-        const float scale = o.s[(vi + a) * groups + gi];
-        const float low = o.mn ? o.mn[(vi + a) * groups + gi] : 0.0f;
+        const int64_t at = (vi + a) * groups + gi;
+        const float scale = TableScale(o.s, o.s_half, at);
+        const float low = o.mn || o.mn_half ? TableScale(o.mn, o.mn_half, at) : 0.0f;
         for (int64_t j = gi * g; j < (gi + 1) * g; ++j)
           row[j] = static_cast<float>(code[j]) * scale + low;
       }
@@ -1357,15 +1533,39 @@ static void TableRows(const Operands& o, int64_t v, int64_t vb, int64_t ve) {
   }
 }
 
+// The table's scales and minimums come as float32 or as float16 (a GGUF's Q8_0 blocks), read in
+// place either way: XLA's conversion would write and read again 4 bytes a group before each call
+// (Gemma 3's 262,144 x 640 table: 21 MB, beside 168 MB of codes).
 static ffi::Error TableDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                           ffi::Buffer<ffi::S8> codes, ffi::Buffer<ffi::F32> scales,
-                           ffi::Buffer<ffi::F32> mins, ffi::ResultBuffer<ffi::F32> y) {
-  Operands o;
-  int64_t v;
-  if (ffi::Error error = Decode(x, codes, scales, mins, y, true, nullptr, &o, &v);
-      error.failure())
-    return error;
-  const int64_t grain = std::max<int64_t>(16, 65536 / std::max<int64_t>(o.k, 1)) / 2 * 2;
+                           ffi::Buffer<ffi::S8> codes, ffi::AnyBuffer scales, ffi::AnyBuffer mins,
+                           ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), cd = codes.dimensions(), sd = scales.dimensions(),
+             md = mins.dimensions();
+  if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2 || md.size() != 2)
+    return ffi::Error::InvalidArgument("x, codes, scales and mins must be 2-D");
+  const int64_t k = xd[1], v = cd[0], groups = sd[1];
+  if (cd[1] != k || sd[0] != v || groups == 0 || k % groups)
+    return ffi::Error::InvalidArgument("shapes do not agree");
+  const bool has_mins = md[0] == v && md[1] == groups;
+  const bool half = scales.element_type() == ffi::DataType::F16;
+  if ((!half && scales.element_type() != ffi::DataType::F32) ||
+      (has_mins && mins.element_type() != scales.element_type()))
+    return ffi::Error::InvalidArgument("scales and mins must both be float32 or float16");
+  Operands o{xd[0], k, groups, x.typed_data(), codes.typed_data(), nullptr, nullptr,
+             y->typed_data()};
+  if (half) {
+    o.s_half = static_cast<const uint16_t*>(scales.untyped_data());
+    o.mn_half = has_mins ? static_cast<const uint16_t*>(mins.untyped_data()) : nullptr;
+  } else {
+    o.s = static_cast<const float*>(scales.untyped_data());
+    o.mn = has_mins ? static_cast<const float*>(mins.untyped_data()) : nullptr;
+  }
+  // Rows of the table a range takes: at least 64 KB of codes, and about 16 ranges a thread (the
+  // calling one too), so that the start of a range, whose first rows no prefetch has fetched,
+  // costs little; in blocks of 16.
+  const int64_t threads = pool.num_threads() + 1;
+  const int64_t grain = (std::max<int64_t>(65536 / std::max<int64_t>(o.k, 1), v / (16 * threads))
+                         + 15) / 16 * 16;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if (IntegerTableDot(pool, o, v, grain)) return ffi::Error::Success();
 #endif
@@ -1378,6 +1578,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveTableDot, TableDot,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

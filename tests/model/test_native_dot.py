@@ -360,13 +360,14 @@ def test_native_kernels_are_refused_on_a_mesh():
 
 
 @pytest.mark.parametrize("has_mins", [False, True])
-@pytest.mark.parametrize("rows", [1, 9, 16])
+@pytest.mark.parametrize("rows", [1, 9, 16, 33])
 @pytest.mark.parametrize("vocab, dim", [(101, 64), (300, 640)])
 def test_the_native_table_head_matches_the_jnp_path(has_mins, rows, vocab, dim):
-    """One row (each row's codes straight into its dot, in floats: to float rounding) and 9 or
-    16 (blocks of 16 rows of the table, the last one ragged, against four rows of x at a time,
-    then one; with AVX-512 VNNI through integer dots, so within the bound of x's rounding). 300
-    rows of 640 split into ranges on XLA's threads."""
+    """One row (each row's codes straight into its dot, in floats: to float rounding) and 9 to
+    33 (blocks of 16 rows of the table, the last one ragged, against four rows of x at a time,
+    then one; with AVX-512 VNNI through integer dots, so within the bound of x's rounding; with
+    AMX against blocks of 16 rows of x, the last one ragged). 300 rows of 640 split into ranges
+    on XLA's threads."""
     fmt = QuantFormat(bits=8, group=32, num_contracted=1, num_out=0, has_mins=has_mins,
                       scale_dtype="float16")
     rng = np.random.default_rng(2)
@@ -390,6 +391,29 @@ def test_the_native_table_head_reads_a_k_quant_table(rows):
     table = table.map(jnp.asarray)
     x = jnp.asarray(rng.standard_normal((rows, 256)), jnp.float32)
     _assert_native_table_head(x, table)
+
+
+@pytest.mark.parametrize("has_mins", [False, True])
+@pytest.mark.parametrize("rows", [1, 9, 16])
+def test_the_native_table_head_reads_float16_scales_in_place(has_mins, rows):
+    """A Q8_0 table's float16 scales (and mins) reach the table kernel as they are, no float32
+    copy written before the call, and give exactly the logits of the same scales in float32
+    (37 rows of the table: two blocks of 16 and a ragged one)."""
+    fmt = QuantFormat(bits=8, group=32, num_contracted=1, num_out=0, has_mins=has_mins,
+                      scale_dtype="float16")
+    rng = np.random.default_rng(5)
+    scales = rng.uniform(0.001, 0.02, (37, 4))
+    half = from_codes(rng.integers(-127, 128, (37, 4, 32)), scales,
+                      -8 * scales if has_mins else None, fmt).map(jnp.asarray)
+    assert half.scales.dtype == jnp.float16
+    wide = half.map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.float16 else a)
+    x = jnp.asarray(rng.standard_normal((rows, 128)), jnp.float32)
+    head = jax.jit(native_dot.table_dot)
+    lowered = head.lower(x, half)
+    call = next(line for line in lowered.as_text().splitlines()
+                if native_dot.TABLE_TARGET in line)
+    assert "xf16>" in call and "convert" not in lowered.as_text()
+    np.testing.assert_array_equal(lowered.compile()(x, half), head(x, wide))
 
 
 def _assert_native_table_head(x, table) -> None:
