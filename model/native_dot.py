@@ -69,13 +69,18 @@ import numpy as np
 
 from meshserve.model.quant_formats import QuantFormat, QuantizedArray, group_scales
 
-SOURCE = Path(__file__).with_name("native") / "grouped_dot.cc"
+# Compiled together into one library: the quantized dots, and attention over the paged KV
+# cache's context (`meshserve.model.attention`).
+SOURCES = tuple(Path(__file__).with_name("native") / name
+                for name in ("grouped_dot.cc", "paged_attention.cc"))
 TARGET = "meshserve_grouped_dot"
 SYMBOL = "MeshserveGroupedDot"
 TABLE_TARGET = "meshserve_table_dot"
 TABLE_SYMBOL = "MeshserveTableDot"
 PACKED_TARGET = "meshserve_packed_dot"
 PACKED_SYMBOL = "MeshservePackedDot"
+ATTENTION_TARGET = "meshserve_paged_attention"
+ATTENTION_SYMBOL = "MeshservePagedAttention"
 _active = contextvars.ContextVar("meshserve_native_dot", default=False)
 
 
@@ -281,20 +286,21 @@ def _library() -> ctypes.CDLL:
 
 @functools.cache
 def ensure_registered() -> None:
-    """Builds (once per cache) and registers the kernel with XLA (once per process)."""
+    """Builds (once per cache) and registers the kernels with XLA (once per process)."""
     library = _library()
     for target, symbol in ((TARGET, SYMBOL), (TABLE_TARGET, TABLE_SYMBOL),
-                           (PACKED_TARGET, PACKED_SYMBOL)):
+                           (PACKED_TARGET, PACKED_SYMBOL),
+                           (ATTENTION_TARGET, ATTENTION_SYMBOL)):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
                                     platform="cpu")
 
 
 def build(cache_dir: str | os.PathLike | None = None) -> Path:
-    """The kernel's shared library, compiled into the cache if it is not there yet."""
+    """The kernels' shared library, compiled into the cache if it is not there yet."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise NativeUnavailable("native kernels need a C++ compiler (g++ or $CXX); none found")
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     key = hashlib.sha256(source + jax.__version__.encode() + platform.machine().encode()
                          + compiler.encode()).hexdigest()[:16]
     directory = Path(cache_dir or Path.home() / ".cache" / "meshserve" / "native")
@@ -306,10 +312,11 @@ def build(cache_dir: str | os.PathLike | None = None) -> Path:
         partial = Path(scratch) / library.name
         result = subprocess.run(
             [compiler, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w",
-             f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(partial)],
+             f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(partial)],
             capture_output=True, text=True)
         if result.returncode != 0:
-            raise NativeUnavailable(f"building {SOURCE.name} with {compiler} failed:\n"
+            raise NativeUnavailable(f"building {', '.join(p.name for p in SOURCES)} with "
+                                    f"{compiler} failed:\n"
                                     f"{result.stderr[-2000:]}")
         partial.replace(library)  # whole or not at all, for a concurrent builder
     return library
