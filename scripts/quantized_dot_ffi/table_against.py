@@ -47,18 +47,18 @@ REVISION_TARGET = "meshserve_table_dot_revision"
 
 def register_revision(revision: str) -> None:
     """Builds `revision`'s kernel source and registers its table kernel as `REVISION_TARGET`."""
-    root = Path(native_dot.SOURCE).resolve().parents[2]
+    root = Path(native_dot.SOURCES[0]).resolve().parents[2]
     source = subprocess.run(
         ["git", "-C", str(root), "show", f"{revision}:model/native/grouped_dot.cc"],
         check=True, capture_output=True).stdout
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / "grouped_dot.cc"
         path.write_bytes(source)
-        ours, native_dot.SOURCE = native_dot.SOURCE, path
+        ours, native_dot.SOURCES = native_dot.SOURCES, (path,)
         try:
             library = ctypes.cdll.LoadLibrary(str(native_dot.build()))
         finally:
-            native_dot.SOURCE = ours
+            native_dot.SOURCES = ours
     jax.ffi.register_ffi_target(REVISION_TARGET, jax.ffi.pycapsule(library.MeshserveTableDot),
                                 platform="cpu")
 
