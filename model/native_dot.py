@@ -73,6 +73,8 @@ from meshserve.model.quant_formats import QuantFormat, QuantizedArray, group_sca
 # cache's context (`meshserve.model.attention`).
 SOURCES = tuple(Path(__file__).with_name("native") / name
                 for name in ("grouped_dot.cc", "paged_attention.cc"))
+# Included by the sources (the library's cache key covers them too).
+HEADERS = (Path(__file__).with_name("native") / "parallel_for.h",)
 TARGET = "meshserve_grouped_dot"
 SYMBOL = "MeshserveGroupedDot"
 TABLE_TARGET = "meshserve_table_dot"
@@ -300,7 +302,7 @@ def build(cache_dir: str | os.PathLike | None = None) -> Path:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise NativeUnavailable("native kernels need a C++ compiler (g++ or $CXX); none found")
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     key = hashlib.sha256(source + jax.__version__.encode() + platform.machine().encode()
                          + compiler.encode()).hexdigest()[:16]
     directory = Path(cache_dir or Path.home() / ".cache" / "meshserve" / "native")
@@ -312,7 +314,8 @@ def build(cache_dir: str | os.PathLike | None = None) -> Path:
         partial = Path(scratch) / library.name
         result = subprocess.run(
             [compiler, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w",
-             f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(partial)],
+             f"-I{jax.ffi.include_dir()}", f"-I{HEADERS[0].parent}", *map(str, SOURCES), "-o",
+             str(partial)],
             capture_output=True, text=True)
         if result.returncode != 0:
             raise NativeUnavailable(f"building {', '.join(p.name for p in SOURCES)} with "

@@ -45,39 +45,13 @@
 #include <unistd.h>
 #endif
 
+#include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
-// Runs body(begin, end) over [0, count) in ranges of `grain` (the last one shorter), on the pool
-// and this thread, and returns when every range is done.
-template <typename Body>
-static void ParallelFor(ffi::ThreadPool& pool, int64_t count, int64_t grain, const Body& body) {
-  const int64_t ranges = (count + grain - 1) / grain;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), ranges - 1);
-  if (helpers <= 0) {
-    body(0, count);
-    return;
-  }
-  struct State {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto state = std::make_shared<State>();
-  // Claims ranges until none is left; `body` is only reached through a claimed range, so a task
-  // that starts after the call returned touches nothing of it.
-  auto work = [state, ranges, count, grain, &body] {
-    for (int64_t i; (i = state->next.fetch_add(1)) < ranges;) {
-      body(i * grain, std::min(count, (i + 1) * grain));
-      state->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t t = 0; t < helpers; ++t)
-    pool.Schedule([state, ranges, work] {
-      if (state->next.load() < ranges) work();
-    });
-  work();
-  while (state->done.load(std::memory_order_acquire) < ranges) std::this_thread::yield();
-}
+using meshserve_native::ParallelFor;
+
 
 // Columns a range of outputs takes: long enough that the loops over them, which run once per
 // row of codes, outweigh their own overhead (at least 256), and about two ranges a thread, in

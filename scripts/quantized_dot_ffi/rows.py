@@ -57,7 +57,8 @@ def register_baseline(revision: str) -> str:
     (scratch / "grouped_dot.cc").write_text(source)
     library = scratch / "baseline.so"
     subprocess.run(["g++", "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w",
-                    f"-I{jax.ffi.include_dir()}", str(scratch / "grouped_dot.cc"), "-o",
+                    f"-I{jax.ffi.include_dir()}", f"-I{native_dot.HEADERS[0].parent}",
+                    str(scratch / "grouped_dot.cc"), "-o",
                     str(library)], check=True)
     lib = ctypes.cdll.LoadLibrary(str(library))
     for target, symbol in ((native_dot.TARGET, native_dot.SYMBOL),
