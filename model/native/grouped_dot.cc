@@ -123,13 +123,12 @@ static ffi::Error SelectLayer(ffi::Span<const int64_t> dims, const int32_t* laye
   return ffi::Error::Success();
 }
 
-// Checks the shapes: codes [K, N] with scales [K / G, N] (`table` false), or codes [V, D] with
-// scales [V, D / G] (`table` true), each of codes, scales and mins 2-D or a stack of them, which
-// `layer` picks (`SelectLayer`); `width` is N or V.
+// Checks the int8 layer kernel's shapes: codes [K, N] with scales [K / G, N], each of codes,
+// scales and mins 2-D or a stack of them, which `layer` picks (`SelectLayer`); `width` is N.
 static ffi::Error Decode(ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::S8>& codes,
                          ffi::Buffer<ffi::F32>& scales, ffi::Buffer<ffi::F32>& mins,
-                         ffi::ResultBuffer<ffi::F32>& y, bool table, const int32_t* layer,
-                         Operands* ops, int64_t* width) {
+                         ffi::ResultBuffer<ffi::F32>& y, const int32_t* layer, Operands* ops,
+                         int64_t* width) {
   const auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("x must be 2-D");
   LayerMatrix cm, sm, mm;
@@ -137,9 +136,8 @@ static ffi::Error Decode(ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::S8>& codes,
                               {mins.dimensions(), &mm}})
     if (ffi::Error error = SelectLayer(dims, layer, matrix); error.failure()) return error;
   const int64_t k = xd[1];
-  const int64_t contracted = table ? cm.cols : cm.rows, outputs = table ? cm.rows : cm.cols;
-  const int64_t groups = table ? sm.cols : sm.rows, scale_outputs = table ? sm.rows : sm.cols;
-  if (contracted != k || scale_outputs != outputs || groups == 0 || k % groups)
+  const int64_t outputs = cm.cols, groups = sm.rows;
+  if (cm.rows != k || sm.cols != outputs || groups == 0 || k % groups)
     return ffi::Error::InvalidArgument("shapes do not agree");
   const bool has_mins = mm.rows == sm.rows && mm.cols == sm.cols;
   *ops = Operands{xd[0], k, groups, x.typed_data(), codes.typed_data() + cm.offset,
@@ -256,7 +254,7 @@ static ffi::Error GroupedDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                              ffi::ResultBuffer<ffi::F32> y) {
   Operands o;
   int64_t n;
-  if (ffi::Error error = Decode(x, codes, scales, mins, y, false, layer.typed_data(), &o, &n);
+  if (ffi::Error error = Decode(x, codes, scales, mins, y, layer.typed_data(), &o, &n);
       error.failure())
     return error;
   const int64_t grain = ColumnGrain(n, pool);
