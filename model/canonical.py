@@ -27,7 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from meshserve.model.config import ModelConfig
-from meshserve.model.quant_formats import QuantizedArray
+from meshserve.model.quant_formats import MixedArray, QuantizedArray
 
 NUMPY_DTYPES: dict[str, Any] = {
     "float32": np.float32,
@@ -160,13 +160,14 @@ def check_params(config: ModelConfig, params: Mapping[str, Any], *,
 
 
 def _shape(value: Any) -> tuple[int, ...]:
-    return tuple(value.shape) if isinstance(value, QuantizedArray) else tuple(np.shape(value))
+    return (tuple(value.shape) if isinstance(value, (QuantizedArray, MixedArray))
+            else tuple(np.shape(value)))
 
 
-def check_finite(key: str, array: np.ndarray | QuantizedArray) -> None:
-    if isinstance(array, QuantizedArray):
+def check_finite(key: str, array: np.ndarray | QuantizedArray | MixedArray) -> None:
+    if isinstance(array, (QuantizedArray, MixedArray)):
         for name, part in array.arrays().items():
-            if name != "values":
+            if not name.endswith("values"):
                 check_finite(key, part)
         return
     if not np.isfinite(array).all():

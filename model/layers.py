@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from meshserve.model.config import ModelConfig, RopeScaling
-from meshserve.model.quantized_kernel import QuantizedKernel, quantized_matmul
+from meshserve.model.quantized_kernel import MixedKernel, QuantizedKernel, quantized_matmul
 from meshserve.model.quantized_table import table_logits, table_rows
 
 
@@ -72,7 +72,7 @@ class Dense(nnx.Module):
         self.lora = nnx.data(None)  # a `LoraSlab`, set by `meshserve.model.lora.with_lora`
 
     def __call__(self, x: jax.Array, adapters: jax.Array | None = None) -> jax.Array:
-        if isinstance(self.kernel, QuantizedKernel):
+        if isinstance(self.kernel, (QuantizedKernel, MixedKernel)):
             y = quantized_matmul(self.spec, x, self.kernel)
         else:
             y = _flat_matmul(self.spec, x, self.kernel[...])

@@ -49,7 +49,7 @@ from jax.sharding import Mesh, PartitionSpec
 from meshserve.model.config import ModelConfig
 from meshserve.model.layers import Dense, param
 from meshserve.model.quant_formats import QuantizedArray, dequantize
-from meshserve.model.quantized_kernel import QuantizedKernel, quantized_axes, quantized_matmul
+from meshserve.model.quantized_kernel import quantized_axes, quantized_matmul, with_layer_kernels
 
 # Rows of one grouped-matmul tile at most: large enough for efficient matmuls in prefill, while
 # small steps get tiles near their expected rows per expert (`tile_rows`).
@@ -93,7 +93,8 @@ class MoeMLP(nnx.Module):
         del adapters  # LoRA adapters of a mixture modify its attention only
         logits = self.router(x).astype(jnp.float32)  # [N, E]
         weights, chosen = route(logits, self.moe.experts_per_token, self.moe.renormalize)
-        y = routed_experts(x, chosen, weights, *self.experts.stacks(), self.split)
+        y = self.experts.run(lambda gate, up, down: routed_experts(
+            x, chosen, weights, gate, up, down, self.split))
         if self.shared is not None:
             y = y + self.shared(x)
         return y
@@ -101,7 +102,8 @@ class MoeMLP(nnx.Module):
 
 class Experts(nnx.Module):
     """The routed experts' weights: gate and up [E, D, F], down [E, F, D] (a layer axis in
-    front when stacked), each a float `nnx.Param` or a `QuantizedKernel` of every expert."""
+    front when stacked), each a float `nnx.Param` or a `QuantizedKernel` of every expert (or a
+    `MixedKernel` of the layers' stacks, where a file's layers differ in block type)."""
 
     def __init__(self, num_experts: int, dim: int, width: int, *, dtype: str, rngs: nnx.Rngs,
                  stack: tuple[int, ...]):
@@ -110,10 +112,10 @@ class Experts(nnx.Module):
         self.up = param(rngs, (num_experts, dim, width), EXPERT_AXES, **kw)
         self.down = param(rngs, (num_experts, width, dim), EXPERT_DOWN_AXES, **kw)
 
-    def stacks(self) -> tuple[Stack, Stack, Stack]:
-        """gate, up and down as the grouped matmul reads them."""
-        return tuple(w.array() if isinstance(w, QuantizedKernel) else w[...]
-                     for w in (self.gate, self.up, self.down))
+    def run(self, fn):
+        """`fn(gate, up, down)` on the stacks as the grouped matmul reads them (of a mixed stack
+        of layers, the layer's own part: `with_layer_kernels`)."""
+        return with_layer_kernels([self.gate, self.up, self.down], fn)
 
 
 class SharedExpert(nnx.Module):

@@ -33,7 +33,10 @@ bits of scale (and of min) and 32 / super_group of super scale (and of super min
 32 / group for float32 scales.
 
 A `QuantizedArray` holds the arrays of one kernel (numpy on the host, jax arrays on devices) and
-its `QuantFormat`. The model code reads them through `meshserve.model.quantized_kernel`; the loaders
+its `QuantFormat`. A stack of layers whose kernels are kept in formats of different code widths
+(a Q4_K_M file's `ffn_down`: Q4_K layers and Q6_K ones) is a `MixedArray`: one `QuantizedArray`
+stack per format, and a `LayerMix` saying which part holds each layer and the one format that
+would hold them all (`uniform_stack` widens every layer to it exactly, `widened`). The model code reads them through `meshserve.model.quantized_kernel`; the loaders
 build them from float weights (`quantize`) or straight from GGUF blocks.
 
 `SCHEMES` are the user's choices (`EngineConfig.quantization`): what float kernels become, and
@@ -159,8 +162,143 @@ class QuantizedArray:
                    for a in self.arrays().values())
 
 
-def stored_shapes(fmt: QuantFormat, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
-    """The shape of each array of a kernel of float shape `shape` stored in `fmt`."""
+@dataclasses.dataclass(frozen=True)
+class LayerMix:
+    """How a stack of layers whose kernels are of different formats is held: one stack of
+    kernels per format (a part), and for each layer the part that holds it (`part_of`); a
+    layer's index in its part counts the earlier layers of the same part. `uniform` is the one
+    format that holds every layer exactly (`widened`), for where a stack must be one array (a
+    pipeline's stages split the layer axis)."""
+
+    formats: tuple[QuantFormat, ...]
+    part_of: tuple[int, ...]
+    uniform: QuantFormat
+
+    def __post_init__(self):
+        assert len(self.formats) >= 2 and set(self.part_of) == set(range(len(self.formats))), \
+            (self.formats, self.part_of)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.part_of)
+
+    @property
+    def index(self) -> tuple[int, ...]:
+        """Each layer's index in its part."""
+        seen = [0] * len(self.formats)
+        index = []
+        for part in self.part_of:
+            index.append(seen[part])
+            seen[part] += 1
+        return tuple(index)
+
+    def layers(self, part: int) -> tuple[int, ...]:
+        """The layers part `part` holds, in order."""
+        return tuple(i for i, p in enumerate(self.part_of) if p == part)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"mixed": {"formats": [f.to_json() for f in self.formats],
+                          "part_of": list(self.part_of), "uniform": self.uniform.to_json()}}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "LayerMix":
+        data = data["mixed"]
+        return cls(formats=tuple(QuantFormat.from_json(f) for f in data["formats"]),
+                   part_of=tuple(data["part_of"]),
+                   uniform=QuantFormat.from_json(data["uniform"]))
+
+
+def format_from_json(data: dict[str, Any]) -> "QuantFormat | LayerMix":
+    """A format `to_json` wrote: a `LayerMix`'s, or a `QuantFormat`'s."""
+    return LayerMix.from_json(data) if "mixed" in data else QuantFormat.from_json(data)
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedArray:
+    """A stack of layers' kernels of different formats (a Q4_K_M file's `ffn_down`: Q4_K
+    layers and Q6_K ones), held as one `QuantizedArray` stack per format, `parts`, each
+    spending its own format's bits; `format` says which layer each part holds."""
+
+    parts: tuple[QuantizedArray, ...]
+    format: LayerMix
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the float stack it stands for: [num_layers, *one layer's]."""
+        return (self.format.num_layers, *self.parts[0].shape[1:])
+
+    def arrays(self) -> dict[str, Any]:
+        """Every part's arrays, named "parts/{part}/{name}" (the paths a model holds them at)."""
+        return {f"parts/{p}/{name}": a for p, part in enumerate(self.parts)
+                for name, a in part.arrays().items()}
+
+    @classmethod
+    def from_arrays(cls, named: Mapping[str, Any], mix: LayerMix) -> "MixedArray":
+        return cls(parts=tuple(
+            QuantizedArray.from_arrays({name: named.get(f"parts/{p}/{name}")
+                                        for name in ARRAY_NAMES}, fmt)
+            for p, fmt in enumerate(mix.formats)), format=mix)
+
+    def map(self, fn) -> "MixedArray":
+        return dataclasses.replace(self, parts=tuple(part.map(fn) for part in self.parts))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
+
+    def layer(self, i: int) -> QuantizedArray:
+        """Layer `i`'s kernel, in its part's format."""
+        part = self.parts[self.format.part_of[i]]
+        return part.map(lambda a: a[self.format.index[i]])
+
+
+def widened(q: QuantizedArray, fmt: QuantFormat, xp: Any = np) -> QuantizedArray:
+    """`q` in `fmt`, a format that holds its codes (more bits or a wider offset), a group that
+    divides q's, mins where q has none (zero) and super groups where q has them (or float32
+    scales per group): every weight's `code * scale + min` unchanged, so the float32 weights
+    `dequantize` gives are q's, bit for bit."""
+    old = q.format
+    assert old.group is not None and fmt.group is not None and old.group % fmt.group == 0
+    factor = old.group // fmt.group
+    axis = q.values.ndim + last_contracted_axis(old)
+    codes = unpacked_codes(q, xp)  # [..., n, group, *out]
+    codes = codes.reshape(*codes.shape[:axis], codes.shape[axis] * factor, fmt.group,
+                          *codes.shape[axis + 2:])
+    spread = lambda a, n: None if a is None else xp.repeat(a, n, axis=axis)  # noqa: E731
+    if fmt.super_group is None:
+        scales, mins = group_scales(q, xp)
+        supers, super_mins = None, None
+    else:
+        assert old.super_group is not None and old.super_group % fmt.super_group == 0
+        scales, mins = q.scales, q.mins
+        supers = spread(q.super_scales, old.super_group // fmt.super_group)
+        super_mins = spread(q.super_mins, old.super_group // fmt.super_group)
+    scales, mins = spread(scales, factor), spread(mins, factor)
+    if fmt.has_mins and mins is None:
+        mins = xp.zeros_like(scales)
+        super_mins = None if supers is None else xp.zeros_like(supers)
+    assert fmt.has_mins or mins is None
+    return from_codes(codes, scales, mins, fmt, xp, super_scales=supers, super_mins=super_mins)
+
+
+def uniform_stack(m: MixedArray, xp: Any = np) -> QuantizedArray:
+    """A mixed stack as one `QuantizedArray` stack in `m.format.uniform`: every layer widened
+    to it (the weights unchanged), in layer order."""
+    parts = [widened(part, m.format.uniform, xp) for part in m.parts]
+    index = m.format.index
+    layers = [parts[p].map(lambda a, i=index[i]: a[i]) for i, p in enumerate(m.format.part_of)]
+    return QuantizedArray.from_arrays(
+        {name: xp.stack([q.arrays()[name] for q in layers]) for name in layers[0].arrays()},
+        m.format.uniform)
+
+
+def stored_shapes(fmt: "QuantFormat | LayerMix", shape: tuple[int, ...]
+                  ) -> dict[str, tuple[int, ...]]:
+    """The shape of each array of a kernel of float shape `shape` stored in `fmt` (a mixed
+    stack's by "parts/{part}/{name}")."""
+    if isinstance(fmt, LayerMix):
+        return {f"parts/{p}/{name}": s for p, part in enumerate(fmt.formats)
+                for name, s in stored_shapes(part, (len(fmt.layers(p)), *shape[1:])).items()}
     shape = tuple(shape)
     axis = len(shape) + last_contracted_axis(fmt)
     rows = {8: shape[axis], 4: shape[axis] // 2}.get(
@@ -180,7 +318,10 @@ def stored_shapes(fmt: QuantFormat, shape: tuple[int, ...]) -> dict[str, tuple[i
     return named
 
 
-def stored_dtypes(fmt: QuantFormat) -> dict[str, str]:
+def stored_dtypes(fmt: "QuantFormat | LayerMix") -> dict[str, str]:
+    if isinstance(fmt, LayerMix):
+        return {f"parts/{p}/{name}": d for p, part in enumerate(fmt.formats)
+                for name, d in stored_dtypes(part).items()}
     named = {"values": np.dtype(fmt.code_dtype).name, "scales": fmt.scale_dtype}
     if fmt.has_mins:
         named["mins"] = fmt.scale_dtype
@@ -191,9 +332,13 @@ def stored_dtypes(fmt: QuantFormat) -> dict[str, str]:
     return named
 
 
-def describe(fmt: QuantFormat) -> str:
+def describe(fmt: "QuantFormat | LayerMix") -> str:
     """One line of what `fmt` holds, as the tools print it ("4 bits, groups of 32, mins, uint8
-    scales x float32 per 256")."""
+    scales x float32 per 256"; a mixed stack's parts joined by " + ", each with its count of
+    layers)."""
+    if isinstance(fmt, LayerMix):
+        return " + ".join(f"{len(fmt.layers(p))} layers of {describe(part)}"
+                          for p, part in enumerate(fmt.formats))
     if fmt.group is None:
         return f"{fmt.bits} bits, a {fmt.scale_dtype} scale per output channel"
     supers = f" x float32 per {fmt.super_group}" if fmt.super_group else ""
@@ -313,8 +458,10 @@ def from_codes(codes: Any, scales: Any, mins: Any, fmt: QuantFormat, xp: Any = n
                           super_scales=as_float32(super_scales), super_mins=as_float32(super_mins))
 
 
-def dequantize(q: QuantizedArray, xp: Any = np) -> Any:
+def dequantize(q: "QuantizedArray | MixedArray", xp: Any = np) -> Any:
     """The float32 kernel `q` stands for: the reference the compiled matmul is held to."""
+    if isinstance(q, MixedArray):
+        return xp.stack([dequantize(q.layer(i), xp) for i in range(q.format.num_layers)])
     fmt = q.format
     codes = unpacked_codes(q, xp).astype(np.float32)  # grouped layout, or the kernel per channel
     scales, mins = group_scales(q, xp)

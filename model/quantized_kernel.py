@@ -43,11 +43,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshserve.model import native_dot
-from meshserve.model.quant_formats import (ARRAY_NAMES, QuantFormat, QuantizedArray, dequantize,
-                                           group_scales, last_contracted_axis)
+from meshserve.model.quant_formats import (ARRAY_NAMES, LayerMix, MixedArray, QuantFormat,
+                                           QuantizedArray, dequantize, group_scales,
+                                           last_contracted_axis)
 
 jax.tree_util.register_dataclass(QuantizedArray, data_fields=list(ARRAY_NAMES),
                                  meta_fields=["format"])
+jax.tree_util.register_dataclass(MixedArray, data_fields=["parts"], meta_fields=["format"])
 
 
 class QuantizedKernel(nnx.Module):
@@ -83,6 +85,65 @@ class QuantizedKernel(nnx.Module):
         return _layer_of(self.held(), self.layer)
 
 
+class MixedKernel(nnx.Module):
+    """The weights of a stack of layers' kernels of different formats (`MixedArray`): one
+    `QuantizedKernel` stack per format in `parts`, and which part holds each layer (`mix`,
+    static). The layer scan never slices it (`layer_stacked_kernels`): each layer sets `layer`,
+    and each part's `layer` to the layer's index in that part (`read_layers_in_place`), and
+    `select` runs a layer's computation on its part's kernel under one `lax.switch` over the
+    parts: each branch reads one format's kernel, as a stack of one format would."""
+
+    def __init__(self, m: MixedArray, axes: tuple[str | None, ...]):
+        self.mix = m.format
+        self.parts = nnx.List([QuantizedKernel(part, axes) for part in m.parts])
+        self.layer = nnx.data(None)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the float kernel it stands for (with `layer` set, one layer's)."""
+        shape = self.held().shape
+        return shape if self.layer is None else shape[1:]
+
+    def held(self) -> MixedArray:
+        """Every part's whole stack."""
+        return MixedArray(parts=tuple(part.held() for part in self.parts), format=self.mix)
+
+    def array(self) -> MixedArray:
+        """The whole mixed stack: a layer of it is only ever read through `select`."""
+        assert self.layer is None, "read a layer of a mixed stack through select"
+        return self.held()
+
+    def select(self, fn):
+        """`fn(kernel)` for the kernel of layer `layer`: a `QuantizedKernel` of its part reading
+        the layer where the part holds it."""
+        assert self.layer is not None, "a mixed stack is read one layer at a time"
+        part_of = jnp.asarray(self.mix.part_of, jnp.int32)[self.layer]
+        return jax.lax.switch(part_of, [lambda part=part: fn(part) for part in self.parts])
+
+    def read_layer(self, layer: jax.Array) -> None:
+        """Makes `select` read layer `layer` (an int32 scalar): each part reads the layer's
+        index in it (an index of another part's layer is in range, and never read)."""
+        self.layer = layer
+        index = jnp.asarray(self.mix.index, jnp.int32)[layer]
+        for part in self.parts:
+            part.layer = index
+
+
+def with_layer_kernels(kernels, fn):
+    """`fn(*arrays)` for `kernels`, each a float `nnx.Param` (its value), a `QuantizedKernel`
+    (its `array()`) or a `MixedKernel` (its layer's kernel's array, through `select`: one
+    switch a mixed kernel, nested)."""
+    for i, kernel in enumerate(kernels):
+        if isinstance(kernel, MixedKernel):
+            rest = list(kernels)
+
+            def chosen(part, i=i, rest=rest):
+                rest = rest[:i] + [part] + rest[i + 1:]
+                return with_layer_kernels(rest, fn)
+            return kernel.select(chosen)
+    return fn(*(k.array() if isinstance(k, QuantizedKernel) else k[...] for k in kernels))
+
+
 def _layer_of(q: QuantizedArray, layer: jax.Array | None) -> QuantizedArray:
     """Layer `layer` of a stack of kernels (a leading layer axis); q itself for None."""
     if layer is None:
@@ -90,21 +151,31 @@ def _layer_of(q: QuantizedArray, layer: jax.Array | None) -> QuantizedArray:
     return q.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False))
 
 
-def layer_stacked_kernels(layers: nnx.Module) -> frozenset[tuple]:
-    """The paths in `layers` (a model's stacked layers) of the quantized kernels stacked over
-    the layers alone, those a native kernel may read a layer of in place: a `Dense`'s, not a
-    mixture's routed experts (stacked over the experts too, which `meshserve.model.moe`
-    slices one expert at a time)."""
-    return frozenset(path for path, module in nnx.iter_graph(layers)
-                     if isinstance(module, QuantizedKernel)
-                     and module.values.ndim == 1 + module.fmt.num_contracted + module.fmt.num_out)
+def layer_stacked_kernels(layers: nnx.Module, *, native: bool) -> frozenset[tuple]:
+    """The paths in `layers` (a model's stacked layers) of the kernels the layer scan passes
+    whole, each layer reading its own of them (`read_layers_in_place`): every mixed stack
+    (`MixedKernel`, whose parts differ in length), and with `native` kernels the quantized
+    kernels stacked over the layers alone, which a native kernel reads a layer of in place: a
+    `Dense`'s, not a mixture's routed experts (stacked over the experts too, which
+    `meshserve.model.moe` slices one expert at a time)."""
+    graph = list(nnx.iter_graph(layers))
+    mixed = frozenset(path for path, module in graph if isinstance(module, MixedKernel))
+    if not native:
+        return mixed
+    return mixed | frozenset(
+        path for path, module in graph
+        if isinstance(module, QuantizedKernel)
+        and module.values.ndim == 1 + module.fmt.num_contracted + module.fmt.num_out
+        and not any(path[:len(m)] == m for m in mixed))
 
 
 def read_layers_in_place(block: nnx.Module, kernels: frozenset[tuple], layer: jax.Array) -> None:
     """Makes the kernels at `kernels` (`layer_stacked_kernels`) of `block`, a layer merged with
     those kernels' whole stacks, read layer `layer` (an int32 scalar) of them."""
     for path, module in nnx.iter_graph(block):
-        if path in kernels:
+        if path in kernels and isinstance(module, MixedKernel):
+            module.read_layer(layer)
+        elif path in kernels:
             module.layer = layer
 
 
@@ -114,13 +185,15 @@ def _per_channel_axes(axes: tuple, fmt: QuantFormat) -> tuple:
     return axes[:stack] + axes[len(axes) - fmt.num_out:]
 
 
-def quantized_matmul(spec: str, x: jax.Array, kernel: QuantizedKernel | QuantizedArray
-                     ) -> jax.Array:
+def quantized_matmul(spec: str, x: jax.Array,
+                     kernel: QuantizedKernel | MixedKernel | QuantizedArray) -> jax.Array:
     """`jnp.einsum(spec, x, dequantized kernel)`, for a spec whose contracted axes end `x` and
     begin the kernel (every `Dense` of the model, and one expert of a stack): one dot for int8
     (and 5 or 6 bits), two for int4. A kernel reading a layer of stacks (`QuantizedKernel.layer`)
     passes the native kernel the stacks and the index; every other path takes the layer's
     slice."""
+    if isinstance(kernel, MixedKernel):
+        return kernel.select(lambda part: quantized_matmul(spec, x, part))
     held, layer = (kernel.held(), kernel.layer) if isinstance(kernel, QuantizedKernel) \
         else (kernel, None)
     if native_dot.active():  # `native_kernels`
@@ -208,8 +281,14 @@ def _values(codes: jax.Array, scales: jax.Array, mins: jax.Array | None, dtype) 
     return w if mins is None else w + mins
 
 
-def quantized_axes(fmt: QuantFormat, axes: tuple[str | None, ...]) -> dict[str, tuple]:
-    """The logical axes of each array of a kernel with float axes `axes`."""
+def quantized_axes(fmt: QuantFormat | LayerMix, axes: tuple[str | None, ...]
+                   ) -> dict[str, tuple]:
+    """The logical axes of each array of a kernel with float axes `axes` (of a mixed stack,
+    every part's arrays by "parts/{part}/{name}": each part a stack over the layers like the
+    whole)."""
+    if isinstance(fmt, LayerMix):
+        return {f"parts/{p}/{name}": a for p, part in enumerate(fmt.formats)
+                for name, a in quantized_axes(part, axes).items()}
     scale_axes = axes if fmt.group is not None else _per_channel_axes(axes, fmt)
     named = {"values": axes, "scales": scale_axes}
     if fmt.has_mins:

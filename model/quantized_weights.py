@@ -24,10 +24,13 @@ from flax import nnx
 
 from meshserve.model.layers import Dense, Embed
 from meshserve.model.moe import Experts
-from meshserve.model.quant_formats import (ARRAY_NAMES, KernelPlan, QuantFormat, QuantizedArray,
-                                           auto_keep_bits, check_groups, quantize, scheme_format,
-                                           stored_dtypes, stored_shapes)
-from meshserve.model.quantized_kernel import QuantizedKernel, quantized_axes
+from meshserve.model.quant_formats import (ARRAY_NAMES, KernelPlan, LayerMix, MixedArray,
+                                           QuantFormat, QuantizedArray, auto_keep_bits,
+                                           check_groups, quantize, scheme_format, stored_dtypes,
+                                           stored_shapes, uniform_stack)
+from meshserve.model.quantized_kernel import MixedKernel, QuantizedKernel, quantized_axes
+
+HELD = (QuantizedKernel, MixedKernel)  # a kernel held quantized
 
 
 # Dense modules whose kernels no scheme quantizes, by their attribute name. An untied LM head:
@@ -164,7 +167,7 @@ def kernel_formats(model: nnx.Module, scheme: str) -> dict[str, QuantFormat]:
     return formats
 
 
-def stored_weights(model: nnx.Module, formats: Mapping[str, QuantFormat]
+def stored_weights(model: nnx.Module, formats: Mapping[str, QuantFormat | LayerMix]
                    ) -> dict[str, tuple[tuple, tuple[int, ...], str | None]]:
     """Flat path -> (logical axes, shape, dtype or None for the model's dtype) of every array a
     float (possibly abstract) `model` stores once the kernels in `formats` are quantized: what a
@@ -184,14 +187,18 @@ def stored_weights(model: nnx.Module, formats: Mapping[str, QuantFormat]
     return stored
 
 
-def grouped_params(params: Mapping[str, Any], formats: Mapping[str, QuantFormat]
+def grouped_params(params: Mapping[str, Any], formats: Mapping[str, QuantFormat | LayerMix]
                    ) -> dict[str, Any]:
     """Flat arrays (`stored_weights`' paths) -> canonical params, the arrays of each kernel in
-    `formats` gathered into its `QuantizedArray`."""
-    grouped = {k: v for k, v in params.items() if k.rpartition("/")[0] not in formats}
+    `formats` gathered into its `QuantizedArray` (or `MixedArray`)."""
+    names = {key: {name: f"{key}/{name}" for name in stored_dtypes(fmt)}
+             for key, fmt in formats.items()}
+    taken = {path for named in names.values() for path in named.values()}
+    grouped = {k: v for k, v in params.items() if k not in taken}
     for key, fmt in formats.items():
-        grouped[key] = QuantizedArray.from_arrays(
-            {name: params[f"{key}/{name}"] for name in stored_dtypes(fmt)}, fmt)
+        arrays = {name: params[path] for name, path in names[key].items()}
+        held = MixedArray if isinstance(fmt, LayerMix) else QuantizedArray
+        grouped[key] = held.from_arrays(arrays, fmt)
     return grouped
 
 
@@ -200,7 +207,7 @@ def quantize_model(model: nnx.Module, scheme: str) -> nnx.Module:
     kernels go; a kernel already quantized stays as it is). Returns the same model object."""
     for key, fmt in kernel_formats(model, scheme).items():
         dense = quantizable_kernels(model)[key][0]
-        if isinstance(dense.kernel, QuantizedKernel):
+        if isinstance(dense.kernel, HELD):
             continue
         q = quantize(dense.kernel[...], fmt, xp=jnp)
         dense.kernel = QuantizedKernel(q, dense.kernel.axes)
@@ -213,7 +220,7 @@ def install(model: nnx.Module, params: Mapping[str, Any]) -> None:
     only lends its axes)."""
     kernels = held_kernels(model)
     for key, value in params.items():
-        if not isinstance(value, QuantizedArray):
+        if not isinstance(value, (QuantizedArray, MixedArray)):
             continue
         if key not in kernels:
             raise ValueError(f"{key} is quantized, but it is not a kernel that the quantized "
@@ -222,15 +229,16 @@ def install(model: nnx.Module, params: Mapping[str, Any]) -> None:
         if tuple(value.shape) != tuple(dense.kernel.shape):
             raise ValueError(f"quantized weight {key} stands for shape {value.shape}, expected "
                              f"{tuple(dense.kernel.shape)}")
-        dense.kernel = QuantizedKernel(value.map(jnp.asarray), dense.kernel.axes)
+        held = QuantizedKernel if isinstance(value, QuantizedArray) else MixedKernel
+        dense.kernel = held(value.map(jnp.asarray), dense.kernel.axes)
 
 
 def model_weights(model: nnx.Module, fn=lambda value, axes: value) -> dict[str, Any]:
     """Canonical path -> each weight of `model` passed through `fn(value, logical_axes)`, a
-    quantized kernel as one `QuantizedArray` (each of its arrays passed through `fn`): what
-    `model_from_params` takes to build the model again."""
+    quantized kernel as one `QuantizedArray` or `MixedArray` (each of its arrays passed through
+    `fn`): what `model_from_params` takes to build the model again."""
     quantized = {key: dense.kernel for key, (dense, _, _) in held_kernels(model).items()
-                 if isinstance(dense.kernel, QuantizedKernel)}
+                 if isinstance(dense.kernel, HELD)}
     _, state = nnx.split(model)
     weights = {}
     for path, var in nnx.to_flat_state(state):
@@ -244,16 +252,31 @@ def model_weights(model: nnx.Module, fn=lambda value, axes: value) -> dict[str, 
     return weights
 
 
-def _mapped(kernel: QuantizedKernel, fn) -> QuantizedArray:
+def _mapped(kernel: QuantizedKernel | MixedKernel, fn) -> QuantizedArray | MixedArray:
+    if isinstance(kernel, MixedKernel):
+        return MixedArray(parts=tuple(_mapped(part, fn) for part in kernel.parts),
+                          format=kernel.mix)
     return QuantizedArray.from_arrays({name: fn(p[...], p.axes) for name in ARRAY_NAMES
                                        if (p := getattr(kernel, name)) is not None}, kernel.fmt)
 
 
-def quantized_arrays(model: nnx.Module) -> dict[str, QuantizedArray]:
-    """Canonical kernel path -> the `QuantizedArray` of every quantized kernel of `model`."""
+def quantized_arrays(model: nnx.Module) -> dict[str, QuantizedArray | MixedArray]:
+    """Canonical kernel path -> the `QuantizedArray` (a mixed stack's `MixedArray`) of every
+    quantized kernel of `model`."""
     kernels = held_kernels(model)
     return {key: dense.kernel.array() for key, (dense, _, _) in kernels.items()
-            if isinstance(dense.kernel, QuantizedKernel)}
+            if isinstance(dense.kernel, HELD)}
+
+
+def uniform_layers(model: nnx.Module) -> nnx.Module:
+    """`model` with every mixed stack (`MixedKernel`) held as one stack in the format that
+    holds each of its layers (`LayerMix.uniform`; the weights unchanged), on its devices: what
+    a split of the layer axis (pipeline stages) needs. The same model object."""
+    for dense, _, _ in held_kernels(model).values():
+        if isinstance(dense.kernel, MixedKernel):
+            axes = dense.kernel.parts[0].values.axes  # the codes carry the float kernel's axes
+            dense.kernel = QuantizedKernel(uniform_stack(dense.kernel.held(), xp=jnp), axes)
+    return model
 
 
 def weight_bytes(model: nnx.Module) -> int:

@@ -259,17 +259,18 @@ def apply_layers(model, x: jax.Array, positions: jax.Array, ctx, constrain=None,
     alone (`layer_stacked_kernels`): each layer gets their whole stacks and its index
     (`read_layers_in_place`), and a native kernel reads the layer's codes where they lie, where
     XLA would copy each layer's slice into a buffer of its own before every call; any other path
-    slices the layer out as the scan would.
+    slices the layer out as the scan would. A stack of layers of different formats
+    (`MixedKernel`) is always passed so: each layer reads its own part of it.
     """
     constrain = constrain or (lambda x, axes: x)
     rope = model.position_tables(positions)
     graphdef, layer_params = nnx.split(model.layers)
     num_layers = jax.tree.leaves(layer_params)[0].shape[0]
-    in_place = layer_stacked_kernels(model.layers) if native_dot.active() else frozenset()
+    in_place = layer_stacked_kernels(model.layers, native=native_dot.active())
     stacks = ()
     if in_place:
         graphdef, kernel_stacks, layer_params = nnx.split(
-            model.layers, lambda path, _: path[:-1] in in_place, ...)
+            model.layers, lambda path, _: any(path[:len(k)] == k for k in in_place), ...)
         stacks = (kernel_stacks,)
 
     def one_layer(carry, xs):

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshserve.model.executor.device_layout import DeviceLayout
 from meshserve.model.lora import LoraShape, with_lora
+from meshserve.model.quantized_weights import uniform_layers
 from meshserve.sharding.experts import split_experts
 from meshserve.sharding.head_padding import pad_heads
 from meshserve.sharding.mesh import MeshConfig
@@ -43,6 +44,8 @@ def prepare(model: nnx.Module, mesh_config: MeshConfig | str | None = None, *,
     their layer axis (identity layers included) and over `model` as their projection is."""
     mesh_config = MeshConfig.coerce(mesh_config)
     mesh_config.check_model(model.config)
+    if mesh_config.stage > 1:  # stages split the layer axis: a mixed stack becomes one stack
+        model = uniform_layers(model)
     model = pad_layers(pad_heads(model, mesh_config.model), mesh_config.stage)
     if lora is not None:
         model = with_lora(model, lora)

@@ -12,7 +12,9 @@ padding are restored replicated over `model` (they do not divide) and padded on 
 
 A quantized kernel (`quantization`) is placed array by array: its codes and scales carry the
 float kernel's logical axes (`meshserve.model.quantized_kernel.quantized_axes`), so they split
-alike.
+alike. A stack of layers of different formats (`MixedArray`) is placed part by part; where
+pipeline stages split the layer axis it becomes one stack first (`uniform_stack`: the format
+that holds each layer), since parts of unequal length cannot split over the stages.
 
 Presets (random weights, for tests and benchmarks) are created on one device and resharded by
 the runner.
@@ -20,7 +22,6 @@ the runner.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Mapping
 
@@ -32,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from meshserve.model.loading.checkpoint import read_checkpoint_config, read_manifest, restore_params
 from meshserve.model.config import ModelConfig
 from meshserve.model.loading.pretrained import Pretrained, load_pretrained
-from meshserve.model.quant_formats import QuantizedArray
+from meshserve.model.quant_formats import MixedArray, QuantizedArray, uniform_stack
 from meshserve.model.quantized_kernel import quantized_axes
 from meshserve.model.quantized_weights import grouped_params, stored_weights
 from meshserve.model.transformer import abstract_model, model_from_params
@@ -80,10 +81,12 @@ class MeshPlacement:
             self.padded = padded_config(config, self.mesh_config.model)
             self._axes = _weight_axes(self.padded)
         axes, _ = self._axes[key]
-        if isinstance(array, QuantizedArray):
+        if isinstance(array, MixedArray) and self.mesh_config.stage > 1:
+            array = uniform_stack(array)  # the stages split the layer axis: one stack
+        if isinstance(array, (QuantizedArray, MixedArray)):
             named = quantized_axes(array.format, axes)
-            return dataclasses.replace(array, **{name: self._place(part, named[name])
-                                                 for name, part in array.arrays().items()})
+            return array.from_arrays({name: self._place(part, named[name])
+                                      for name, part in array.arrays().items()}, array.format)
         return self._place(array, axes)
 
     def model(self, config: ModelConfig, params: Mapping[str, Any]) -> nnx.Module:

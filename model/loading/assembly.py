@@ -31,11 +31,12 @@ from meshserve.model.canonical import (Checkpoint, CheckpointLayout, Conversion,
 from meshserve.model.config import ModelConfig
 from meshserve.model.loading.gguf_blocks import (CanonicalLayout, float_scales_format, kept_format,
                                                  regrouped)
-from meshserve.model.quant_formats import KernelPlan, QuantFormat, QuantizedArray, quantize
+from meshserve.model.quant_formats import (KernelPlan, LayerMix, MixedArray, QuantFormat,
+                                           QuantizedArray, quantize)
 
 MAX_LISTED_NAMES = 5
 
-Params = dict[str, np.ndarray | QuantizedArray]
+Params = dict[str, np.ndarray | QuantizedArray | MixedArray]
 Place = Callable[[ModelConfig, str, np.ndarray | QuantizedArray], Any]
 # What a quantization scheme does with each kernel of a config.
 Plans = Callable[[ModelConfig], Mapping[str, KernelPlan]]
@@ -112,32 +113,64 @@ def _read_float(key: str, slots: list[Slot], checkpoint: Checkpoint, shape: tupl
 
 
 def assemble_quantized(slots: list[Slot], checkpoint: Checkpoint, plan: KernelPlan,
-                       shape: tuple[int, ...]) -> QuantizedArray | None:
+                       shape: tuple[int, ...]) -> QuantizedArray | MixedArray | None:
     """One kernel (every layer of it, of float shape `shape`) as a `QuantizedArray`: kept in the
-    file's own blocks when every layer's block type fits one of the plan's bit widths (GGUF;
-    layers of different block types share one format that holds each exactly, `kept_format`),
-    else
-    quantized to the plan's format from its float weights, one layer at a time (so too a
-    kernel whose blocks do not line up with its groups); None when the plan leaves float weights
-    float."""
+    file's own blocks when every layer's block type fits one of the plan's bit widths (GGUF);
+    a stack whose layers' codes keep in different widths (a Q4_K_M file's Q4_K and Q6_K
+    layers of `ffn_down`) as a `MixedArray`, one stack per format, so each layer spends its
+    own type's bits (layers whose codes keep in one width, as every layer in int8 containers,
+    share one format that holds them all: they would save only some scale bytes). Else quantized to the plan's format from its float weights, one layer at a
+    time (so too a kernel whose blocks do not line up with its groups); None when the plan
+    leaves float weights float."""
     kept = _kept_format(slots, checkpoint, plan, shape)
-    layout = None if kept is None else _layout(slots[0], kept)
-    if layout is None and kept is not None and kept.super_group is not None:
-        kept = float_scales_format(kept)  # super-blocks split over the kernel's super groups
-        layout = _layout(slots[0], kept)
-    if layout is not None:
-        layers = [layout.quantized(regrouped(checkpoint.read_blocks(slot.source), kept))
-                  for slot in slots]
-    elif plan.fmt is not None:
-        layers = [quantize(slot.conversion.convert(checkpoint.read(slot.source)), plan.fmt)
-                  for slot in slots]
-    else:
+    kept = None if kept is None else _lined_up(slots[0], kept)
+    if kept is not None:
+        if slots[0].layer is None:
+            return _kept_layers(slots, checkpoint, kept)
+        own = [_kept_format([slot], checkpoint, plan, shape) for slot in slots]
+        lined_up = {fmt: _lined_up(slots[0], fmt) for fmt in dict.fromkeys(own)}
+        formats = [lined_up[fmt] for fmt in own]
+        distinct = list(dict.fromkeys(formats))
+        if None in distinct or len({fmt.bits for fmt in distinct}) == 1:
+            return _kept_layers(slots, checkpoint, kept)  # codes of one width: one stack
+        part_of = tuple(distinct.index(fmt) for fmt in formats)
+        mix = LayerMix(formats=tuple(distinct), part_of=part_of, uniform=kept)
+        return MixedArray(parts=tuple(
+            _kept_layers([slots[i] for i in mix.layers(p)], checkpoint, fmt)
+            for p, fmt in enumerate(distinct)), format=mix)
+    if plan.fmt is None:
         return None
-    if slots[0].layer is None:
-        return layers[0]
+    layers = [quantize(slot.conversion.convert(checkpoint.read(slot.source)), plan.fmt)
+              for slot in slots]
+    return layers[0] if slots[0].layer is None else _stacked(layers)
+
+
+def _kept_layers(slots: list[Slot], checkpoint: Checkpoint, fmt: QuantFormat
+                 ) -> QuantizedArray:
+    """The slots' own blocks in `fmt` (stacked, when the slots are layers)."""
+    layout = _layout(slots[0], fmt)
+    layers = [layout.quantized(regrouped(checkpoint.read_blocks(slot.source), fmt))
+              for slot in slots]
+    return layers[0] if slots[0].layer is None else _stacked(layers)
+
+
+def _stacked(layers: list[QuantizedArray]) -> QuantizedArray:
     return QuantizedArray.from_arrays(
         {name: np.stack([q.arrays()[name] for q in layers]) for name in layers[0].arrays()},
         layers[0].format)
+
+
+def _lined_up(slot: Slot, fmt: QuantFormat | None) -> QuantFormat | None:
+    """`fmt`, or with float32 scales where the slot's super-blocks would split over the
+    kernel's super groups; None where its blocks do not line up with the groups at all."""
+    if fmt is None:
+        return None
+    if _layout(slot, fmt) is not None:
+        return fmt
+    if fmt.super_group is not None:
+        fmt = float_scales_format(fmt)
+        return fmt if _layout(slot, fmt) is not None else None
+    return None
 
 
 def _layout(slot: Slot, fmt: QuantFormat) -> CanonicalLayout | None:

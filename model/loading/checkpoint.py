@@ -6,7 +6,9 @@ Layout of a checkpoint directory DIR:
                                 weight's canonical path and shape, and the format of each
                                 quantized kernel (its arrays are stored under the kernel's path:
                                 `.../kernel/values`, `/scales`, `/mins`, `/super_scales`,
-                                `/super_mins`); written last
+                                `/super_mins`; a mixed stack's per part,
+                                `.../kernel/parts/0/values`, with which layers each part
+                                holds); written last
     DIR/model_config.json       every `ModelConfig` field (`config_to_json`)
     DIR/params/                 orbax `StandardCheckpointer` data: a flat {canonical path: array}
     DIR/tokenizer.json          only when the model has a tokenizer: the `tokenizers` backend,
@@ -40,7 +42,7 @@ from flax import nnx
 from tokenizers import Tokenizer as BackendTokenizer
 
 from meshserve.model.config import DTYPES, ModelConfig, MoeConfig, RopeScaling
-from meshserve.model.quant_formats import QuantFormat
+from meshserve.model.quant_formats import LayerMix, QuantFormat, format_from_json
 from meshserve.model.quantized_weights import grouped_params, quantized_arrays, stored_weights
 from meshserve.model.tokenizer import SpecialTokens, Tokenizer
 from meshserve.model.transformer import abstract_model, model_from_params
@@ -63,7 +65,7 @@ class Manifest:
     dtype: str
     params: Mapping[str, tuple[int, ...]]
     has_tokenizer: bool
-    quantized: Mapping[str, QuantFormat] = dataclasses.field(default_factory=dict)
+    quantized: Mapping[str, QuantFormat | LayerMix] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> str:
         """Pretty JSON with one line per weight."""
@@ -159,7 +161,7 @@ def save_checkpoint(model: nnx.Module, tokenizer: Tokenizer | None, directory: s
     params = model_params(model)
     quantized = {key: q.format for key, q in quantized_arrays(model).items()}
     wrong_dtype = sorted(k for k, v in params.items() if v.dtype != jnp.dtype(config.dtype)
-                         and k.rpartition("/")[0] not in quantized)
+                         and not any(k.startswith(f"{q}/") for q in quantized))
     if wrong_dtype:
         raise ValueError(f"model {config.name} has dtype {config.dtype}, but these weights are "
                          f"not: {wrong_dtype[:5]}")
@@ -255,7 +257,7 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
         return Manifest(model=str(data["model"]), dtype=str(data["dtype"]),
                         params={k: tuple(v) for k, v in data["params"].items()},
                         has_tokenizer=bool(data["has_tokenizer"]),
-                        quantized={k: QuantFormat.from_json(f)
+                        quantized={k: format_from_json(f)
                                    for k, f in data.get("quantized", {}).items()})
     except (KeyError, TypeError, AttributeError, AssertionError) as err:
         raise ValueError(f"checkpoint {path}: {MANIFEST} is malformed ({err!r})") from None

@@ -38,11 +38,15 @@ products per group instead (`float_scaled`, `float_scales_format`): 2 bits a wei
 scale and min.
 
 The layers of one stacked kernel may be of different types (Q4_K_M files mix Q4_K and Q6_K in
-`ffn_down`, and in `ffn_down_exps`): `kept_format` gives one format that holds each exactly, and
-`regrouped` re-expresses a layer's blocks in it (scales repeated over a finer group, zero mins,
-Q4_K's uint8 sub-scales as int8 beside Q6_K's). Such a kernel still spends the union of its
-codes' bits on every layer (6 for Q4_K with Q6_K). Other types (Q2_K, Q3_K, the IQ types) are not
-read here; the loader dequantizes them and quantizes the floats instead.
+`ffn_down`, and in `ffn_down_exps`). Where their codes keep in different widths the loader holds
+each type's layers in a stack of their own, in their own format (`MixedArray`,
+`meshserve.model.loading.assembly`), so a Q4_K layer spends 4.75 bits a weight and a Q6_K one
+6.625. `kept_format` of all the layers' types gives the one format that holds each exactly (a
+mixed stack's `uniform`, for where the layer axis must be one array), and `regrouped`
+re-expresses a layer's blocks in it (scales repeated over a finer group, zero mins, Q4_K's uint8
+sub-scales as int8 beside Q6_K's): 6-bit codes and groups of 16 with mins for Q4_K with Q6_K,
+7.25 bits a weight. Other types (Q2_K, Q3_K, the IQ types) are not read here; the loader
+dequantizes them and quantizes the floats instead.
 
 This module imports neither jax nor flax.
 """

@@ -33,7 +33,8 @@ from meshserve.model.loading.checkpoint import load_checkpoint, read_tokenizer
 from meshserve.model.config import PRESETS, ModelConfig
 from meshserve.model.loading.hub import ModelFiles, resolve_model
 from meshserve.model.loading import load_weights
-from meshserve.model.quant_formats import KernelPlan, QuantizedArray, check_scheme, scheme_plan
+from meshserve.model.quant_formats import (KernelPlan, MixedArray, QuantizedArray, check_scheme,
+                                           scheme_plan)
 from meshserve.model.quantized_weights import (kernel_formats, quantizable_kernels,
                                                quantize_model, file_block_plans)
 from meshserve.model.tokenizer import Tokenizer
@@ -109,7 +110,9 @@ def _on_default_device(config: ModelConfig, key: str, array: Any) -> Any:
     """One finished tensor put on JAX's default device as soon as it is read, so that its host
     copy goes at once: loading holds one tensor on the host at a time, not every weight twice."""
     del config, key
-    return array.map(jnp.asarray) if isinstance(array, QuantizedArray) else jnp.asarray(array)
+    if isinstance(array, (QuantizedArray, MixedArray)):
+        return array.map(jnp.asarray)
+    return jnp.asarray(array)
 
 
 def scheme_plans(scheme: str, platform: str | None = None, *, native: bool = False):

@@ -35,7 +35,7 @@ from meshserve.model.executor.steps import forward_dense
 from meshserve.model.families import config_from_gguf, config_from_hf
 from meshserve.model.loading import load_gguf, load_hf
 from meshserve.model.loading.pretrained import load_pretrained, scheme_plans
-from meshserve.model.quant_formats import (QuantFormat, QuantizedArray, dequantize, from_codes,
+from meshserve.model.quant_formats import (LayerMix, MixedArray, QuantFormat, QuantizedArray, dequantize, from_codes,
                                            quantize, scheme_format)
 from meshserve.model.quantized_weights import quantize_model, quantized_arrays
 from meshserve.model.transformer import create_model, model_from_params
@@ -269,26 +269,40 @@ def quantized_moe_gguf(tmp_path_factory):
 
 
 @pytest.mark.parametrize("platform, want_bits", [("cpu", {"gate": 8, "up": 8, "down": 8}),
-                                                 ("gpu", {"gate": 8, "up": 4, "down": 6})])
+                                                 ("gpu", {"gate": (4, 8), "up": 4, "down": (6, 4)})])
 def test_auto_keeps_a_gguf_mixtures_expert_blocks_exactly(quantized_moe_gguf, platform,
                                                           want_bits):
-    """Every expert stack is kept, in one format across layers of different block types (down:
-    Q6_K's groups of 16 and Q4_K's minimums; gate: Q4_0's minimums, Q8_0's 8 bits), and
-    dequantizes to exactly the float loader's weights."""
+    """Every expert stack is kept and dequantizes to exactly the float loader's weights. Where
+    the layers' codes keep in different widths (GPU: down Q6_K then Q4_K, gate Q4_0 then Q8_0)
+    a mixed stack holds each layer in its own type's format; in 8-bit containers (the CPU
+    without native kernels) one format holds every layer (down: Q6_K's groups of 16 and Q4_K's
+    minimums; gate: Q4_0's minimums)."""
     _, floats = load_gguf(quantized_moe_gguf)
     _, params = load_gguf(quantized_moe_gguf, plans=scheme_plans("auto", platform=platform))
     experts = {key.split("/")[-1]: value for key, value in params.items()
                if key.startswith("layers/mlp/experts/")}
-    assert {name: q.format.bits for name, q in experts.items()} == want_bits
-    assert (experts["down"].format.group, experts["down"].format.has_mins) == (16, True)
-    assert experts["gate"].format.has_mins and experts["gate"].format.scale_dtype == "float16"
-    # K-quants only (up: Q4_K; down: Q6_K with Q4_K): integer sub-scales, float32 per 256
-    assert (experts["up"].format.scale_dtype, experts["up"].format.super_group) == ("uint8", 256)
-    assert (experts["down"].format.scale_dtype, experts["down"].format.super_group) == ("int8",
-                                                                                        256)
+    bits = lambda f: tuple(p.bits for p in f.formats) if isinstance(f, LayerMix) else f.bits  # noqa: E731
+    assert {name: bits(q.format) for name, q in experts.items()} == want_bits
     for name, q in experts.items():
-        assert isinstance(q, QuantizedArray)
         np.testing.assert_array_equal(dequantize(q), floats[f"layers/mlp/experts/{name}"])
+    if platform == "cpu":
+        down = experts["down"].format
+        assert (down.group, down.has_mins, down.scale_dtype, down.super_group) == (
+            16, True, "int8", 256)
+        assert experts["gate"].format.has_mins
+        return
+    gate, up, down = (experts[name].format for name in ("gate", "up", "down"))
+    assert gate.part_of == down.part_of == (0, 1)  # layer 0 the first part, layer 1 the second
+    q6_k, q4_k = down.formats  # Q6_K's groups of 16, no mins; Q4_K's 32 with minimums
+    assert (q6_k.group, q6_k.has_mins, q4_k.group, q4_k.has_mins) == (16, False, 32, True)
+    assert (q6_k.scale_dtype, q4_k.scale_dtype, q6_k.super_group, q4_k.super_group) == (
+        "int8", "uint8", 256, 256)  # integer sub-scales, float32 per 256
+    assert (down.uniform.group, down.uniform.has_mins) == (16, True)  # where stages need one
+    q4_0, q8_0 = gate.formats
+    assert q4_0.has_mins and not q8_0.has_mins and q4_0.scale_dtype == "float16"
+    assert (up.scale_dtype, up.super_group) == ("uint8", 256)
+    for name, q in experts.items():
+        assert isinstance(q, MixedArray if name != "up" else QuantizedArray)
 
 
 def test_experts_whose_super_groups_a_width_split_would_cut_keep_their_width(quantized_moe_gguf):

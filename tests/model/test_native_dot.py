@@ -529,7 +529,7 @@ def test_a_models_layers_read_their_kernels_in_place_from_the_stacks(monkeypatch
                 params, tokens, lengths).compile()
 
     in_place = compiled()
-    monkeypatch.setattr(transformer, "layer_stacked_kernels", lambda layers: frozenset())
+    monkeypatch.setattr(transformer, "layer_stacked_kernels", lambda layers, native: frozenset())
     sliced = compiled()
     # the shapes of one layer's codes, as a slice of a stack would have them: s8[1,256,256], ...
     hlo_type = {"int8": "s8", "uint8": "u8"}
