@@ -140,11 +140,15 @@ def file_block_plans(model: nnx.Module, scheme: str, platform: str, *, native: b
     more than reading float32 (docs/models.md#quantized-weights: SmolLM2 and Gemma 3 270M decode
     slower with their kept tables), so there only a table that is just gathered is kept, unless
     `native` (native kernels, `meshserve.model.native_dot`, read the codes themselves); on the
-    CPU a table is kept in 8 bits, which the native head reads."""
+    CPU what the head reads is kept in 8 bits, which the native head reads. A table that is only
+    gathered (an untied model's) is kept in the file's own bits under `auto` on every platform:
+    a step dequantizes only its rows."""
     keep = (auto_keep_bits(platform) if scheme == "auto"  # on the CPU, 8 bits: the native head's
             else (4, 8) if scheme.startswith("int4") else (8,))
     read_by_head = {"lm_head/kernel", "embed/embedding" if not head_kernels(model) else None}
-    return {key: KernelPlan(fmt=None, keep_bits=keep, num_contracted=n, num_out=out)
+    gathered = auto_keep_bits("gpu") if scheme == "auto" else keep  # the file's own bits
+    return {key: KernelPlan(fmt=None, keep_bits=keep if key in read_by_head else gathered,
+                            num_contracted=n, num_out=out)
             for key, (_, n, out) in file_block_kernels(model).items()
             if native or not (platform == "cpu" and key in read_by_head)}
 

@@ -93,7 +93,8 @@ def test_the_head_never_writes_the_whole_table_in_float(rows):
 def test_a_files_table_is_kept_unless_the_cpus_head_reads_it(tied, platform, kept):
     """Loading keeps a table's blocks (in 8 bits: Q8_0 does not fit int4's 4) except a tied one
     on the CPU, whose LM head reads a float table faster; an untied model's table is only
-    gathered, so it is kept everywhere."""
+    gathered, so it is kept everywhere, under auto in the file's own bits (a step dequantizes
+    only its rows)."""
     model = abstract_model(ModelConfig.preset("tiny-llama", head_dim=32, tie_embeddings=tied))
     for scheme in ("auto", "int8", "int4"):
         plans = scheme_plans(scheme, platform=platform)(model.config)
@@ -101,6 +102,8 @@ def test_a_files_table_is_kept_unless_the_cpus_head_reads_it(tied, platform, kep
         if kept:
             assert plans["embed/embedding"].fmt is None  # a float table stays float
             assert 8 in plans["embed/embedding"].keep_bits
+            if scheme == "auto" and not tied:
+                assert plans["embed/embedding"].keep_bits == (4, 5, 6, 8)
 
 
 # -- a model holding a quantized table ----------------------------------------------------------
@@ -162,16 +165,21 @@ def test_an_untied_head_is_kept_on_a_gpu_and_float_on_the_cpu():
 
 def test_a_files_untied_head_kept_computes_the_float_heads_logits():
     """llama.cpp's Q4_K_M of a tiny Mistral-style model (its head in Q8_0, its table in Q5_0),
-    loaded with a GPU's plans: head and table stay in their blocks, exactly, and the model gives
-    the logits of the same file read as floats."""
+    loaded with a GPU's plans, and with the CPU's with native kernels: head and table stay in
+    their blocks, exactly (the table in its own 5 bits on both: it is only gathered), and the
+    model gives the logits of the same file read as floats."""
     path = Path(__file__).parents[1] / "golden" / "gguf-llama" / "tiny-mistral-q4km.gguf"
     _, floats = load_gguf(path)
-    config, params = load_gguf(path, plans=scheme_plans("auto", platform="gpu"))
-    for key in ("lm_head/kernel", "embed/embedding"):
-        assert isinstance(params[key], QuantizedArray), key
-        np.testing.assert_array_equal(dequantize(params[key]), floats[key], err_msg=key)
-    tokens = jnp.asarray(np.arange(12, dtype=np.int32).reshape(2, 6) % config.vocab_size)
-    lengths = jnp.asarray([6, 4], jnp.int32)
-    logits = [forward_dense(*nnx.split(model_from_params(config, p)), tokens, lengths)
-              for p in (floats, params)]
-    np.testing.assert_allclose(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+    for plans in (scheme_plans("auto", platform="gpu"),
+                  scheme_plans("auto", platform="cpu", native=True)):
+        config, params = load_gguf(path, plans=plans)
+        for key in ("lm_head/kernel", "embed/embedding"):
+            assert isinstance(params[key], QuantizedArray), key
+            np.testing.assert_array_equal(dequantize(params[key]), floats[key], err_msg=key)
+        assert (params["embed/embedding"].format.bits, params["lm_head/kernel"].format.bits) \
+            == (5, 8)
+        tokens = jnp.asarray(np.arange(12, dtype=np.int32).reshape(2, 6) % config.vocab_size)
+        lengths = jnp.asarray([6, 4], jnp.int32)
+        logits = [forward_dense(*nnx.split(model_from_params(config, p)), tokens, lengths)
+                  for p in (floats, params)]
+        np.testing.assert_allclose(logits[1], logits[0], rtol=1e-4, atol=1e-4)
