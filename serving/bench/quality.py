@@ -14,8 +14,9 @@ Everything runs through the serving engine (the ragged step, the sampler), greed
   model's before their first divergence;
 - perplexity on `--text`, read in windows of `--window` tokens, by every model.
 
-Candidates are the model loaded with each `--quantization` (a GGUF's blocks kept where they
-fit) and, with `--from-float`, the float32 model's kernels quantized by each scheme
+Candidates are the model loaded with each `--quantization` as the engine loads it (a GGUF's
+blocks kept where they fit, in the file's own bits where native kernels run, a stack mixing
+block types as a mixed stack) and, with `--from-float`, the float32 model's kernels quantized by each scheme
 (`quantize_model`): the load-time path of a float checkpoint. The reference is the same file's
 weights dequantized to float32, so a GGUF's kept blocks (`auto`) should differ from it only by
 summation order. Each candidate's row also counts its quantized kernels by format (bits, group,
@@ -34,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from meshserve.batching.sampling import SamplingParams
+from meshserve.model import native_dot
 from meshserve.model.loading.hub import DEFAULT_MODEL
 from meshserve.model.loading.pretrained import load_pretrained
 from meshserve.model.quantized_weights import quantize_model, quantized_arrays, weight_bytes
@@ -76,8 +78,9 @@ def run(args: argparse.Namespace) -> None:
                for r in requests]
     text_ids = reference.tokenizer.encode(args.text.read_text(encoding="utf-8"))
     windows = [text_ids[i:i + args.window] for i in range(0, len(text_ids) - 1, args.window)]
+    native = native_dot.resolve(None)  # loaded as the engine loads it, in the layouts it serves
     candidates = {f"{scheme} (loaded)": lambda s=scheme: load_pretrained(
-        args.model, quantization=s).model for scheme in args.quantization}
+        args.model, quantization=s, native_kernels=native).model for scheme in args.quantization}
     if args.from_float:
         candidates |= {f"{scheme} (from float32)": lambda s=scheme: quantize_model(
             copy.deepcopy(reference.model), s) for scheme in args.quantization}
