@@ -265,13 +265,13 @@ def apply_layers(model, x: jax.Array, positions: jax.Array, ctx, constrain=None,
     constrain = constrain or (lambda x, axes: x)
     rope = model.position_tables(positions)
     graphdef, layer_params = nnx.split(model.layers)
-    num_layers = jax.tree.leaves(layer_params)[0].shape[0]
     in_place = layer_stacked_kernels(model.layers, native=native_dot.active())
     stacks = ()
     if in_place:
         graphdef, kernel_stacks, layer_params = nnx.split(
             model.layers, lambda path, _: any(path[:len(k)] == k for k in in_place), ...)
         stacks = (kernel_stacks,)
+    num_layers = jax.tree.leaves(layer_params)[0].shape[0]  # a mixed stack's parts are shorter
 
     def one_layer(carry, xs):
         x, ctx = carry

@@ -321,14 +321,21 @@ def test_experts_whose_super_groups_a_width_split_would_cut_keep_their_width(qua
 
 
 def test_a_gguf_mixture_with_kept_experts_generates_the_float_models_tokens(quantized_moe_gguf):
-    """auto (as the engine loads it) against the same file dequantized to float32: the same
+    """auto as the engine loads it with native kernels (the file's own bits: gate and down are
+    mixed stacks, each layer's experts in their own type's format, the grouped matmul of a
+    layer run in its parts' branch) against the same file dequantized to float32: the same
     greedy tokens, and logprobs equal up to summation order through XLA's dots; through the
     native kernels (on by default on one CPU device), whose integer dots round x to 16 bits per
     group, within 1e-4 (measured: 2.6e-5)."""
     config, floats = load_gguf(quantized_moe_gguf)
-    kept = load_pretrained_weights(quantized_moe_gguf, "auto")
-    assert set(quantized_arrays(kept)) == {"layers/mlp/experts/gate", "layers/mlp/experts/up",
-                                           "layers/mlp/experts/down"}
+    params = load_gguf(quantized_moe_gguf,
+                       plans=scheme_plans("auto", platform="cpu", native=True))[1]
+    kept = model_from_params(config, params)
+    stacks = quantized_arrays(kept)
+    assert set(stacks) == {"layers/mlp/experts/gate", "layers/mlp/experts/up",
+                           "layers/mlp/experts/down"}
+    assert {key for key, q in stacks.items() if isinstance(q, MixedArray)} == {
+        "layers/mlp/experts/gate", "layers/mlp/experts/down"}
     outputs = []
     for model, native in ((model_from_params(config, floats), False), (kept, False), (kept, None)):
         runner = ModelRunner(model, RunnerConfig(num_pages=16, page_size=16, max_num_seqs=2,
@@ -339,12 +346,6 @@ def test_a_gguf_mixture_with_kept_experts_generates_the_float_models_tokens(quan
         assert xla.token_ids == native.token_ids == want.token_ids
         np.testing.assert_allclose(xla.logprobs, want.logprobs, atol=1e-5)
         np.testing.assert_allclose(native.logprobs, want.logprobs, atol=1e-4)
-
-
-def load_pretrained_weights(path, scheme: str):
-    """`load_pretrained`'s model of a GGUF that has no vocabulary: its weights as it loads them."""
-    config, params = load_gguf(path, plans=scheme_plans(scheme))
-    return quantize_model(model_from_params(config, params), scheme)
 
 
 def write_hf_mixtral(directory, golden_dir, *, D=64, F=64, H=2, K=1, E=4):

@@ -3,6 +3,8 @@ straight into kernels against gguf's own dequantizer, and load-time quantization
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import re
 
 import gguf
@@ -23,7 +25,7 @@ from meshserve.model.loading.gguf_blocks import (BLOCK_TYPES, CanonicalLayout, d
 from meshserve.model.loading.pretrained import scheme_plans
 from meshserve.model.quant_formats import (LayerMix, MixedArray, QuantFormat, QuantizedArray,
                                            auto_keep_bits, describe, dequantize, from_codes,
-                                           quantize, scheme_format, uniform_stack)
+                                           quantize, scheme_format, uniform_stack, widened)
 from meshserve.model.quantized_kernel import QuantizedKernel, quantized_matmul
 from meshserve.model.quantized_weights import quantize_model, quantized_arrays, weight_bytes
 from meshserve.model.transformer import create_model, model_from_params
@@ -459,6 +461,44 @@ def test_a_mixed_stack_widens_to_one_format_exactly(q4_k_m_gguf):
         np.testing.assert_array_equal(dequantize(one.map(lambda a: a[i])),
                                       dequantize(mixed.layer(i)))
     assert one.nbytes / mixed.nbytes == pytest.approx(7.25 / ((6.625 + 4.75) / 2))
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_models_mixed_stacks_compute_what_one_format_computes(q4_k_m_gguf, native):
+    """The Q4_K_M-like model (v and down mixed stacks) and, as the scan's first weight, k made
+    a mixed stack too (its layers 0, 3 and 6 widened to 6 bits): each layer's projections run
+    in the branch of its part, one switch a mixed kernel and layer, and give the logits of the
+    same model with every mixed stack widened to one format, within summation order (through
+    XLA's dots) or the native kernels' rounding of x to 16 bits per group (both formats round
+    the same x; measured 4e-5 and 7e-4 of logits up to 9)."""
+    from meshserve.model import native_dot
+    from meshserve.model.quantized_weights import uniform_layers
+
+    config, params = load_gguf(q4_k_m_gguf, plans=scheme_plans("auto", platform="cpu",
+                                                               native=True))
+    k = params["layers/attn/k/kernel"]
+    wide = dataclasses.replace(k.format, bits=6, offset=0)
+    part_of = tuple(int(i % 3 != 0) for i in range(config.num_layers))
+    mix = LayerMix(formats=(wide, k.format), part_of=part_of, uniform=wide)
+    layers = [[i for i, p in enumerate(part_of) if p == part] for part in (0, 1)]
+    params["layers/attn/k/kernel"] = MixedArray(parts=(
+        widened(k.map(lambda a: a[np.asarray(layers[0])]), wide),
+        k.map(lambda a: a[np.asarray(layers[1])])), format=mix)
+    np.testing.assert_array_equal(dequantize(params["layers/attn/k/kernel"]), dequantize(k))
+    tokens = jnp.asarray([[3, 17, 200, 41, 5, 9], [7, 1, 2, 0, 0, 0]], jnp.int32)
+    lengths = jnp.asarray([6, 3], jnp.int32)
+
+    def logits(model):
+        graphdef, state = nnx.split(model)
+        with native_dot.enabled(native):
+            program = jax.jit(functools.partial(forward_dense, graphdef)).lower(
+                state, tokens, lengths)
+            return np.asarray(program.compile()(state, tokens, lengths)), program.as_text()
+
+    mixed, text = logits(model_from_params(config, params))
+    one, one_text = logits(uniform_layers(model_from_params(config, params)))
+    assert text.count("stablehlo.case") == 3 and "stablehlo.case" not in one_text  # k, v, down
+    np.testing.assert_allclose(mixed, one, rtol=0, atol=(1e-3 if native else 1e-4))
 
 
 def test_super_groups_round_trip_through_a_checkpoint(q4_k_m_gguf, tmp_path):
