@@ -247,8 +247,9 @@ def model_weights(model: nnx.Module, fn=lambda value, axes: value) -> dict[str, 
     weights = {}
     for path, var in nnx.to_flat_state(state):
         key = "/".join(map(str, path))
-        kernel = key.rpartition("/")[0]
-        if kernel in quantized:
+        # A quantized kernel's array: `{kernel}/values`, a mixed stack's `{kernel}/parts/0/values`
+        kernel = next((k for k in quantized if key.startswith(f"{k}/")), None)
+        if kernel is not None:
             if kernel not in weights:
                 weights[kernel] = _mapped(quantized[kernel], fn)
         else:
@@ -275,7 +276,9 @@ def quantized_arrays(model: nnx.Module) -> dict[str, QuantizedArray | MixedArray
 def uniform_layers(model: nnx.Module) -> nnx.Module:
     """`model` with every mixed stack (`MixedKernel`) held as one stack in the format that
     holds each of its layers (`LayerMix.uniform`; the weights unchanged), on its devices: what
-    a split of the layer axis (pipeline stages) needs. The same model object."""
+    a split of the layer axis (pipeline stages) needs. New modules over the same other weights:
+    the caller's model keeps its mixed stacks."""
+    model = nnx.merge(*nnx.split(model))
     for dense, _, _ in held_kernels(model).values():
         if isinstance(dense.kernel, MixedKernel):
             axes = dense.kernel.parts[0].values.axes  # the codes carry the float kernel's axes

@@ -2,7 +2,9 @@
 and logprobs of one device with the same quantized weights, the codes and scales are split the way
 the float kernels are, and an orbax checkpoint of a sharded quantized model restores them
 exactly, on another mesh too. A mixture's quantized experts split over `model` (expert
-parallelism) give one device's tokens too."""
+parallelism) give one device's tokens too. A Q4_K_M-like file's mixed stacks (v and down: Q4_K
+and Q6_K layers, each format in its own part) split part by part over `model`, and become one
+stack where pipeline stages split the layers, in the engine and in the loaders alike."""
 
 import numpy as np
 import pytest
@@ -13,11 +15,15 @@ from meshserve.model.loading import load_gguf
 from meshserve.model.loading.checkpoint import load_checkpoint, read_manifest, save_checkpoint
 from meshserve.model.loading.pretrained import scheme_plans
 from meshserve.model.config import ModelConfig
+from meshserve.model.quant_formats import MixedArray, QuantizedArray, dequantize
+from meshserve.model.quantized_kernel import MixedKernel, QuantizedKernel
 from meshserve.model.quantized_weights import quantize_model, quantized_arrays
 from meshserve.model.transformer import model_from_params
 from meshserve.serving.engine.engine_config import EngineConfig
 from meshserve.serving.engine.core import Engine
-from meshserve.sharding.sharded_loading import load_sharded
+from meshserve.sharding.head_padding import pad_heads
+from meshserve.sharding.mesh import MeshConfig
+from meshserve.sharding.sharded_loading import MeshPlacement, load_sharded
 from tests.conftest import random_params
 from tests.model.test_quant import q4_k_m_gguf  # noqa: F401 - a fixture
 from tests.serving.test_meshes import ENGINE, _assert_same, _run, _tiny_requests
@@ -112,25 +118,129 @@ def test_quantized_experts_on_an_expert_parallel_mesh_match_one_device():
         assert array.addressable_shards[0].data.shape[1] == 2, name
 
 
-@pytest.mark.slow
-def test_k_quant_super_groups_on_a_tensor_parallel_mesh_match_one_device(q4_k_m_gguf):  # noqa: F811
-    """A Q4_K_M-like file's kernels kept with their integer sub-scales and float32 scales per
-    super group: on model=2 the super scales split as their scales do (down's along its
-    contracted ffw axis, o's along its heads), and the engine gives one device's tokens."""
-    config, params = load_gguf(q4_k_m_gguf, plans=scheme_plans("auto", platform="cpu"))
+Q4_K_M_ENGINE = ENGINE | dict(max_model_len=64)
+
+
+@pytest.fixture(scope="module", params=["cpu", "gpu"])
+def q4_k_m_reference(request, q4_k_m_gguf):  # noqa: F811
+    """(a Q4_K_M-like file's model loaded with "auto"'s plan on one platform, requests, its
+    one-device outputs). On the CPU every kernel is kept in 8-bit containers with the file's
+    integer sub-scales and float32 scales per super group; on GPUs in the file's own widths,
+    so v and down, whose layers are Q4_K and Q6_K, are mixed stacks."""
+    config, params = load_gguf(q4_k_m_gguf, plans=scheme_plans("auto", platform=request.param))
     model = model_from_params(config, params)
+    mixed = {key for key, value in params.items() if isinstance(value, MixedArray)}
+    assert mixed == ({"layers/attn/v/kernel", "layers/mlp/down/kernel"}
+                     if request.param == "gpu" else set())
     rng = np.random.default_rng(1)
     requests = [(rng.integers(3, config.vocab_size, size=length).tolist(),
                  SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5))
                 for length in (5, 17, 30)]
-    engine_config = ENGINE | dict(max_model_len=64)
-    want = _run(Engine.from_model(model, None, EngineConfig(**engine_config, **XLA_DOTS)),
+    want = _run(Engine.from_model(model, None, EngineConfig(**Q4_K_M_ENGINE, **XLA_DOTS)),
                 requests)
-    engine = Engine.from_model(model, None, EngineConfig(mesh="model=2", **engine_config))
+    return model, requests, want
+
+
+def _stacks(kernel) -> list:
+    """The states of a quantized kernel's stacks: its own, or a mixed kernel's parts'."""
+    return list(kernel["parts"].values()) if "parts" in kernel else [kernel]
+
+
+@pytest.mark.slow
+def test_k_quant_super_groups_on_a_tensor_parallel_mesh_match_one_device(q4_k_m_reference):
+    """A Q4_K_M-like file's kernels kept with their integer sub-scales and float32 scales per
+    super group: on model=2 the codes and (super) scales split as the float kernel does (down's
+    along its contracted ffw axis, o's along its heads; a mixed stack's in each part), and the
+    engine gives one device's tokens."""
+    model, requests, want = q4_k_m_reference
+    engine = Engine.from_model(model, None, EngineConfig(mesh="model=2", **Q4_K_M_ENGINE))
     _assert_same(_run(engine, requests), want)
     layers = engine.runner.params["layers"]
-    for kernel, split_axis in ((layers["mlp"]["down"]["kernel"], 1),
-                               (layers["attn"]["o"]["kernel"], 1)):
-        for name in ("scales", "super_scales", "super_mins"):
-            spec = tuple(kernel[name].get_value().sharding.spec)
-            assert len(spec) > split_axis and spec[split_axis] == "model", (name, spec)
+    down = layers["mlp"]["down"]["kernel"]
+    assert len(_stacks(down)) == (2 if isinstance(model.layers.mlp.down.kernel, MixedKernel)
+                                  else 1)
+    for kernel in (down, layers["attn"]["o"]["kernel"]):  # [L, ffw, D] and [L, heads, hd, D]
+        for stack in _stacks(kernel):
+            for name in ("values", "scales", "super_scales", "super_mins"):
+                if name in stack:  # (Q6_K has no mins)
+                    spec = tuple(stack[name].get_value().sharding.spec)
+                    assert len(spec) > 1 and spec[1] == "model", (name, spec)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("q4_k_m_reference", ["gpu"], indirect=True)
+def test_mixed_stacks_on_pipeline_stages_match_one_device(q4_k_m_reference):
+    """Stages split the layer axis, which a mixed stack's parts cannot follow: the engine holds
+    each as one stack in the format that holds all its layers (exactly), split over the stages,
+    and gives one device's tokens; the model it was given keeps its mixed stacks."""
+    model, requests, want = q4_k_m_reference
+    engine = Engine.from_model(model, None, EngineConfig(mesh="stage=2", **Q4_K_M_ENGINE))
+    _assert_same(_run(engine, requests), want)
+    served = _v_and_down(nnx.merge(engine.runner.graphdef, engine.runner.params))
+    for name, given in _v_and_down(model).items():
+        held = served[name]
+        assert isinstance(given, MixedKernel), name
+        assert isinstance(held, QuantizedKernel) and held.fmt == given.mix.uniform, name
+        assert tuple(held.values.get_value().sharding.spec)[0] == "stage", name
+
+
+def _v_and_down(model: nnx.Module) -> dict:
+    return {"v": model.layers.attn.v.kernel, "down": model.layers.mlp.down.kernel}
+
+
+@pytest.mark.slow
+def test_mixed_stacks_load_and_restore_onto_meshes(q4_k_m_gguf, tmp_path):  # noqa: F811
+    """With native kernels' plan the loader keeps v and down as mixed stacks. Placed on stage=2
+    each becomes one stack in its uniform format, of the same weights; on model=2 it stays
+    mixed, each part split over `model` as the float kernel is; and a checkpoint of the
+    one-device model restores onto model=2. Every other kernel is the one-device load's, array
+    for array (heads padded for model=2)."""
+    plans = scheme_plans("auto", platform="cpu", native=True)
+    config, params = load_gguf(q4_k_m_gguf, plans=plans)
+    model = model_from_params(config, params)
+    mix = model.layers.mlp.down.kernel.mix
+    directory = save_checkpoint(model, None, tmp_path / "ckpt")
+    want = {mesh: quantized_arrays(pad_heads(model, MeshConfig.coerce(mesh).model))
+            for mesh in ("stage=2", "model=2")}
+    for mesh in want:
+        # load_sharded's placement, here without its tokenizer (the file has none)
+        placement = MeshPlacement(MeshConfig.coerce(mesh))
+        placed = placement.model(*load_gguf(q4_k_m_gguf, place=placement, plans=plans))
+        got = quantized_arrays(placed)
+        _assert_same_weights(got, want[mesh])
+        widened = {key for key, q in got.items() if q.format != want[mesh][key].format}
+        assert widened == ({"layers/attn/v/kernel", "layers/mlp/down/kernel"}
+                           if mesh == "stage=2" else set())
+        down = got["layers/mlp/down/kernel"]
+        if mesh == "stage=2":
+            assert isinstance(down, QuantizedArray) and down.format == mix.uniform
+            assert tuple(down.values.sharding.spec)[0] == "stage"
+        else:
+            assert isinstance(down, MixedArray) and down.format == mix
+            _assert_split_over_model(down)
+    restored = quantized_arrays(load_sharded(str(directory), "model=2").model)
+    assert {key: q.format for key, q in restored.items()} \
+        == {key: q.format for key, q in want["model=2"].items()}
+    _assert_same_weights(restored, want["model=2"])
+    _assert_split_over_model(restored["layers/mlp/down/kernel"])
+
+
+def _assert_same_weights(got: dict, want: dict) -> None:
+    """Each kernel's arrays bit for bit where its format is kept, else (a mixed stack held as one)
+    its float weights."""
+    assert set(got) == set(want)
+    for key, q in want.items():
+        if got[key].format != q.format:
+            np.testing.assert_array_equal(dequantize(got[key]), dequantize(q), err_msg=key)
+            continue
+        for name, array in q.arrays().items():
+            np.testing.assert_array_equal(np.asarray(got[key].arrays()[name]), np.asarray(array),
+                                          err_msg=f"{key}/{name}")
+
+
+def _assert_split_over_model(down: MixedArray) -> None:
+    """Each part's codes and scales of a down stack [L, ffw, D] split along ffw."""
+    for part in down.parts:
+        for name in ("values", "scales"):
+            spec = tuple(getattr(part, name).sharding.spec)
+            assert len(spec) > 1 and spec[1] == "model", (name, spec)
