@@ -35,7 +35,7 @@ from meshserve.model.config import ModelConfig
 from meshserve.model.loading.pretrained import Pretrained, load_pretrained
 from meshserve.model.quant_formats import MixedArray, QuantizedArray, uniform_stack
 from meshserve.model.quantized_kernel import quantized_axes
-from meshserve.model.quantized_weights import grouped_params, stored_weights
+from meshserve.model.quantized_weights import grouped_params, stored_weights, uniform_layers
 from meshserve.model.transformer import abstract_model, model_from_params
 from meshserve.sharding.head_padding import pad_array, pad_heads, padded_config
 from meshserve.sharding.mesh import MeshConfig
@@ -102,7 +102,10 @@ class MeshPlacement:
                      for key, (axes, shape, _)
                      in stored_weights(abstract_model(config), formats).items()}
         params = grouped_params(restore_params(directory, config, shardings), formats)
-        return pad_heads(model_from_params(config, params), self.mesh_config.model)
+        model = model_from_params(config, params)
+        if self.mesh_config.stage > 1:  # as `__call__` places them: stages need one stack
+            model = uniform_layers(model)
+        return pad_heads(model, self.mesh_config.model)
 
     def _place(self, array: np.ndarray, axes: tuple[str, ...]) -> jax.Array:
         array = pad_array(array, axes, self.padded)

@@ -193,7 +193,8 @@ def test_mixed_stacks_load_and_restore_onto_meshes(q4_k_m_gguf, tmp_path):  # no
     """With native kernels' plan the loader keeps v and down as mixed stacks. Placed on stage=2
     each becomes one stack in its uniform format, of the same weights; on model=2 it stays
     mixed, each part split over `model` as the float kernel is; and a checkpoint of the
-    one-device model restores onto model=2. Every other kernel is the one-device load's, array
+    one-device model restores onto model=2 (and onto stage=2 as one stack, as placed). Every
+    other kernel is the one-device load's, array
     for array (heads padded for model=2)."""
     plans = scheme_plans("auto", platform="cpu", native=True)
     config, params = load_gguf(q4_k_m_gguf, plans=plans)
@@ -223,6 +224,9 @@ def test_mixed_stacks_load_and_restore_onto_meshes(q4_k_m_gguf, tmp_path):  # no
         == {key: q.format for key, q in want["model=2"].items()}
     _assert_same_weights(restored, want["model=2"])
     _assert_split_over_model(restored["layers/mlp/down/kernel"])
+    staged = quantized_arrays(load_sharded(str(directory), "stage=2").model)  # one stack each
+    assert staged["layers/mlp/down/kernel"].format == mix.uniform
+    _assert_same_weights(staged, want["stage=2"])
 
 
 def _assert_same_weights(got: dict, want: dict) -> None:
