@@ -175,12 +175,7 @@ class LayerMix:
     uniform: QuantFormat
 
     def __post_init__(self):
-        assert len(self.formats) >= 2 and set(self.part_of) == set(range(len(self.formats))), \
-            (self.formats, self.part_of)
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.part_of)
+        assert len(self.formats) >= 2 and set(self.part_of) == set(range(len(self.formats)))
 
     @property
     def index(self) -> tuple[int, ...]:
@@ -225,7 +220,7 @@ class MixedArray:
     @property
     def shape(self) -> tuple[int, ...]:
         """The shape of the float stack it stands for: [num_layers, *one layer's]."""
-        return (self.format.num_layers, *self.parts[0].shape[1:])
+        return (len(self.format.part_of), *self.parts[0].shape[1:])
 
     def arrays(self) -> dict[str, Any]:
         """Every part's arrays, named "parts/{part}/{name}" (the paths a model holds them at)."""
@@ -234,9 +229,8 @@ class MixedArray:
 
     @classmethod
     def from_arrays(cls, named: Mapping[str, Any], mix: LayerMix) -> "MixedArray":
-        return cls(parts=tuple(
-            QuantizedArray.from_arrays({name: named.get(f"parts/{p}/{name}")
-                                        for name in ARRAY_NAMES}, fmt)
+        return cls(parts=tuple(QuantizedArray.from_arrays(
+            {name: named.get(f"parts/{p}/{name}") for name in ARRAY_NAMES}, fmt)
             for p, fmt in enumerate(mix.formats)), format=mix)
 
     def map(self, fn) -> "MixedArray":
@@ -461,7 +455,7 @@ def from_codes(codes: Any, scales: Any, mins: Any, fmt: QuantFormat, xp: Any = n
 def dequantize(q: "QuantizedArray | MixedArray", xp: Any = np) -> Any:
     """The float32 kernel `q` stands for: the reference the compiled matmul is held to."""
     if isinstance(q, MixedArray):
-        return xp.stack([dequantize(q.layer(i), xp) for i in range(q.format.num_layers)])
+        return xp.stack([dequantize(q.layer(i), xp) for i in range(len(q.format.part_of))])
     fmt = q.format
     codes = unpacked_codes(q, xp).astype(np.float32)  # grouped layout, or the kernel per channel
     scales, mins = group_scales(q, xp)

@@ -457,7 +457,7 @@ def test_a_mixed_stack_widens_to_one_format_exactly(q4_k_m_gguf):
     one = uniform_stack(mixed)
     assert one.format == mixed.format.uniform and one.shape == mixed.shape
     np.testing.assert_array_equal(dequantize(one), dequantize(mixed))
-    for i in range(mixed.format.num_layers):  # and layer by layer, against each part
+    for i in range(len(mixed.format.part_of)):  # and layer by layer, against each part
         np.testing.assert_array_equal(dequantize(one.map(lambda a: a[i])),
                                       dequantize(mixed.layer(i)))
     assert one.nbytes / mixed.nbytes == pytest.approx(7.25 / ((6.625 + 4.75) / 2))
@@ -553,8 +553,13 @@ def test_gemma_3_270m_weight_bytes_against_its_file():
 
 
 def test_auto_follows_the_default_backend():
-    plans = scheme_plans("auto")(ModelConfig.preset("tiny-llama", head_dim=32))
+    """auto keeps a file's blocks in the default backend's widths; an untied model's table,
+    only gathered, in the file's own bits on every backend."""
+    plans = scheme_plans("auto")(ModelConfig.preset("tiny-llama", head_dim=32,
+                                                    tie_embeddings=False))
+    table = plans.pop("embed/embedding")
     assert {plan.keep_bits for plan in plans.values()} == {auto_keep_bits(jax.default_backend())}
+    assert table.keep_bits == auto_keep_bits("gpu")
 
 
 def test_int4_model_computes_the_float_models_function(quantized_gguf):
