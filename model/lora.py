@@ -116,7 +116,7 @@ def with_lora(model: nnx.Module, shape: LoraShape) -> nnx.Module:
     served = nnx.merge(graphdef, state)
     for path, dense in target_denses(served).items():
         kernel = dense.kernel
-        axes = kernel.axes if isinstance(kernel, nnx.Variable) else kernel.values.axes
+        axes = kernel.axes  # a float kernel's, or a quantized one's float axes
         dense.lora = LoraSlab(tuple(kernel.shape), tuple(axes), LORA_TARGETS[path], shape,
                               dtype=model.config.dtype)
     return served

@@ -75,6 +75,11 @@ class QuantizedKernel(nnx.Module):
         shape = self.held().shape
         return shape if self.layer is None else shape[1:]
 
+    @property
+    def axes(self) -> tuple[str | None, ...]:
+        """The float kernel's logical axes (its codes carry them)."""
+        return self.values.axes
+
     def held(self) -> QuantizedArray:
         """The arrays as the kernel holds them: its own, or with `layer` set every layer's."""
         return QuantizedArray.from_arrays({name: getattr(self, name)[...] for name in ARRAY_NAMES
@@ -103,6 +108,11 @@ class MixedKernel(nnx.Module):
         """The shape of the float kernel it stands for (with `layer` set, one layer's)."""
         shape = self.held().shape
         return shape if self.layer is None else shape[1:]
+
+    @property
+    def axes(self) -> tuple[str | None, ...]:
+        """The float kernel's logical axes (each part's codes carry them)."""
+        return self.parts[0].axes
 
     def held(self) -> MixedArray:
         """Every part's whole stack."""

@@ -281,8 +281,8 @@ def uniform_layers(model: nnx.Module) -> nnx.Module:
     model = nnx.merge(*nnx.split(model))
     for dense, _, _ in held_kernels(model).values():
         if isinstance(dense.kernel, MixedKernel):
-            axes = dense.kernel.parts[0].values.axes  # the codes carry the float kernel's axes
-            dense.kernel = QuantizedKernel(uniform_stack(dense.kernel.held(), xp=jnp), axes)
+            dense.kernel = QuantizedKernel(uniform_stack(dense.kernel.held(), xp=jnp),
+                                           dense.kernel.axes)
     return model
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from meshserve import LoRARequest
 from meshserve.batching.sampling import SamplingParams
 from meshserve.model.loading import load_gguf
 from meshserve.model.loading.checkpoint import load_checkpoint, read_manifest, save_checkpoint
@@ -17,7 +18,7 @@ from meshserve.model.loading.pretrained import scheme_plans
 from meshserve.model.config import ModelConfig
 from meshserve.model.quant_formats import MixedArray, QuantizedArray, dequantize
 from meshserve.model.quantized_kernel import MixedKernel, QuantizedKernel
-from meshserve.model.quantized_weights import quantize_model, quantized_arrays
+from meshserve.model.quantized_weights import quantize_model, quantized_arrays, uniform_layers
 from meshserve.model.transformer import model_from_params
 from meshserve.serving.engine.engine_config import EngineConfig
 from meshserve.serving.engine.core import Engine
@@ -26,7 +27,8 @@ from meshserve.sharding.mesh import MeshConfig
 from meshserve.sharding.sharded_loading import MeshPlacement, load_sharded
 from tests.conftest import random_params
 from tests.model.test_quant import q4_k_m_gguf  # noqa: F401 - a fixture
-from tests.serving.test_meshes import ENGINE, _assert_same, _run, _tiny_requests
+from tests.model.test_lora import write_adapter
+from tests.serving.test_meshes import ENGINE, _assert_same, _run, _tiny_requests, _top_logprobs
 
 # head_dim 32: the o projection's contracted head_dim divides into int4 groups of 32. Three
 # layers: two pipeline stages pad the stack to four with a layer of zero codes and scales.
@@ -182,6 +184,40 @@ def test_mixed_stacks_on_pipeline_stages_match_one_device(q4_k_m_reference):
         assert isinstance(given, MixedKernel), name
         assert isinstance(held, QuantizedKernel) and held.fmt == given.mix.uniform, name
         assert tuple(held.values.get_value().sharding.spec)[0] == "stage", name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("q4_k_m_reference", ["gpu"], indirect=True)
+def test_a_lora_adapter_on_mixed_stacks_gives_one_formats_tokens(q4_k_m_reference, tmp_path):
+    """An adapter on v and down, whose kernels are mixed stacks: its slabs take the kernels'
+    float axes, and each layer adds its delta to its part's product: the tokens and logprobs of
+    the same model with each mixed stack widened to one format and the same adapter (which
+    does move them off the base model's)."""
+    model, requests, base = q4_k_m_reference
+    c = model.config
+    rng = np.random.default_rng(2)
+    sizes = {"self_attn.v_proj": (c.hidden_size, c.num_kv_heads * c.head_dim),
+             "mlp.down_proj": (c.intermediate_size, c.hidden_size)}
+    tensors = {}
+    for layer in range(c.num_layers):
+        for module, (n_in, n_out) in sizes.items():
+            prefix = f"base_model.model.model.layers.{layer}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = rng.normal(0, 0.1, (4, n_in)).astype(np.float32)
+            tensors[f"{prefix}.lora_B.weight"] = rng.normal(0, 0.1, (n_out, 4)).astype(np.float32)
+    adapter = LoRARequest("mixed", 1, str(write_adapter(
+        tmp_path / "adapter", modules=("v_proj", "down_proj"), rank=4, tensors=tensors)))
+    outputs = []
+    for served in (model, uniform_layers(model)):
+        engine = Engine.from_model(served, None, EngineConfig(
+            **Q4_K_M_ENGINE, **XLA_DOTS, enable_lora=True, max_lora_rank=4))
+        ids = [engine.add_request(prompt, params, lora_request=adapter)
+               for prompt, params in requests]
+        finished = {}
+        while engine.has_unfinished():
+            finished |= {out.request_id: out.outputs[0] for out in engine.step() if out.finished}
+        outputs.append([finished[i] for i in ids])
+    _assert_same(*outputs)
+    assert not np.allclose(_top_logprobs(outputs[0][0]), _top_logprobs(base[0]), atol=1e-2)
 
 
 def _v_and_down(model: nnx.Module) -> dict:
