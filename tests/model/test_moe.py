@@ -35,8 +35,8 @@ from meshserve.model.executor.steps import forward_dense
 from meshserve.model.families import config_from_gguf, config_from_hf
 from meshserve.model.loading import load_gguf, load_hf
 from meshserve.model.loading.pretrained import load_pretrained, scheme_plans
-from meshserve.model.quant_formats import (LayerMix, MixedArray, QuantFormat, QuantizedArray, dequantize, from_codes,
-                                           quantize, scheme_format)
+from meshserve.model.quant_formats import (LayerMix, MixedArray, QuantFormat, QuantizedArray,
+                                           dequantize, from_codes, quantize, scheme_format)
 from meshserve.model.quantized_weights import quantize_model, quantized_arrays
 from meshserve.model.transformer import create_model, model_from_params
 from meshserve.serving.engine.greedy_reference import generate_greedy

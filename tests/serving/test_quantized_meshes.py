@@ -28,6 +28,7 @@ from meshserve.sharding.sharded_loading import MeshPlacement, load_sharded
 from tests.conftest import random_params
 from tests.model.test_quant import q4_k_m_gguf  # noqa: F401 - a fixture
 from tests.model.test_lora import write_adapter
+from tests.model.test_moe import quantized_moe_gguf  # noqa: F401 - a fixture
 from tests.serving.test_meshes import ENGINE, _assert_same, _run, _tiny_requests, _top_logprobs
 
 # head_dim 32: the o projection's contracted head_dim divides into int4 groups of 32. Three
@@ -121,6 +122,32 @@ def test_quantized_experts_on_an_expert_parallel_mesh_match_one_device():
 
 
 Q4_K_M_ENGINE = ENGINE | dict(max_model_len=64)
+
+
+@pytest.mark.slow
+def test_mixed_expert_stacks_on_an_expert_parallel_mesh_match_one_device(quantized_moe_gguf):  # noqa: F811
+    """A GGUF mixture whose gate and down stacks mix block types across layers, in the file's
+    own widths (mixed stacks): on model=2 each part's experts split over the devices, the
+    layer's grouped matmul runs in its parts' branch on each device's experts, and the engine
+    gives one device's tokens."""
+    config, params = load_gguf(quantized_moe_gguf, plans=scheme_plans("auto", platform="gpu"))
+    model = model_from_params(config, params)
+    assert isinstance(model.layers.mlp.experts.down, MixedKernel)
+    engine_config = dict(ENGINE, max_num_batched_tokens=16, prefill_chunk=16, max_model_len=64)
+    rng = np.random.default_rng(3)
+    requests = [(rng.integers(3, config.vocab_size, size=length).tolist(),
+                 SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=5))
+                for length in (4, 11)]
+    want = _run(Engine.from_model(model, None, EngineConfig(**engine_config, **XLA_DOTS)),
+                requests)
+    engine = Engine.from_model(model, None, EngineConfig(mesh="model=2", **engine_config))
+    _assert_same(_run(engine, requests), want)
+    down = engine.runner.params["layers"]["mlp"]["experts"]["down"]
+    for stack in _stacks(down):
+        for name in ("values", "scales"):
+            array = stack[name].get_value()
+            assert array.sharding.spec[1] == "model", name  # [L part, E, ...]: experts split
+            assert array.addressable_shards[0].data.shape[1] == 2, name
 
 
 @pytest.fixture(scope="module", params=["cpu", "gpu"])
