@@ -18,11 +18,13 @@ gather-based one (CPU and GPU) and the Pallas GPU kernel. `dense_attention` is t
 tests compare them with. None of them knows about batching policy.
 
 Where native kernels are on (one CPU device, `meshserve.model.native_dot`), the portable backend
-reads the cached context of float32 caches through a native kernel instead of its gather loops
-(`native/paged_attention.cc`): each token's pages where they lie in the caches, where the loops
-first gather them into a buffer, which costs more than their dots. SmolLM2-135M's decode step
-(`scripts/native_attention_step.py`, medians of 11 interleaved repeats on 2 loaded cores): one
-row after 512 cached tokens 24.95 -> 19.90 ms, 16 rows after 512 144.1 -> 96.8 ms.
+runs a native kernel over float32 caches instead (`native/paged_attention.cc`): each token reads
+its sequence's keys up to its own where they lie in the pages, the step's own keys included
+(written before the read), where XLA's path scores every token of the step against every other
+and gathers the cached context's pages into a buffer, which costs more than its dots.
+SmolLM2-135M's decode step (`scripts/native_attention_step.py`, medians of 11 interleaved
+repeats on 2 loaded cores), the context through the kernel: one row after 512 cached tokens
+24.95 -> 19.90 ms, 16 rows after 512 144.1 -> 96.8 ms.
 
 What a layer asks of attention beyond q, k and v is an `AttentionSpec`: the query scale, the
 soft-cap of the scores (Gemma 2), and the sliding window (keys within `window` positions of the
@@ -229,6 +231,7 @@ class RaggedMeta:
     step_mask: jax.Array  # [T, T] bool: token t may attend to this step's token u
     num_context_blocks: jax.Array  # [] blocks of the cached context the longest one reads
     by_length: jax.Array  # [T] token slots in the order of their cached lengths (jnp backend)
+    key_ends: jax.Array  # [T] a real token's position + 1, padding's 0 (the native kernel)
 
 
 def ragged_meta(batch: RaggedBatch, *, page_size: int, block_pages: int) -> RaggedMeta:
@@ -243,7 +246,8 @@ def ragged_meta(batch: RaggedBatch, *, page_size: int, block_pages: int) -> Ragg
         write_slots=batch.write_slots, positions=batch.positions,
         token_pages=batch.page_table[seq], cached_lens=cached, step_mask=step_mask,
         num_context_blocks=(jnp.max(cached) + block_tokens - 1) // block_tokens,
-        by_length=jnp.argsort(cached))
+        by_length=jnp.argsort(cached),
+        key_ends=jnp.where(batch.is_real > 0, batch.positions + 1, 0))
 
 
 # Tokens whose cached context one iteration of the context loop reads together, taken in the
@@ -268,14 +272,17 @@ def ragged_attention_jnp(q: jax.Array, k: jax.Array, v: jax.Array, cache_k: jax.
     behind every window are never read. The caches ride through the loops and come back: a loop
     that only closed over them would make XLA copy them for it, every layer.
 
-    Where native kernels are on and the caches are float32, the context part is the native
-    kernel's (`_native_context`), which reads each token's pages in place and joins them with
-    the step part's state; the loops then are not traced at all.
+    Where native kernels are on and the caches are float32, both parts are the native kernel's
+    (`_native_attention`), which reads each token's keys, the step's own ones included (the step
+    wrote them before it attends), in place in their pages; neither part is traced then.
     """
     tokens, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]
     q = (q * spec.query_scale(head_dim)).reshape(tokens, kv_heads, num_heads // kv_heads,
                                                   head_dim)
+    if _native_serves(q, cache_k, cache_v):
+        out = _native_attention(q, cache_k, cache_v, layer, meta, spec)
+        return out.reshape(tokens, num_heads, head_dim), cache_k, cache_v
     scores = _soft_cap(_einsum_f32("tkgh,ukh->tkgu", q, k), spec)  # [T, K, G, T]
     step_mask = meta.step_mask & _in_window(meta.positions[None, :], meta.positions[:, None],
                                             spec)
@@ -284,9 +291,6 @@ def ragged_attention_jnp(q: jax.Array, k: jax.Array, v: jax.Array, cache_k: jax.
     p = jnp.exp(scores - m[..., None])
     l = jnp.sum(p, axis=-1)
     acc = _einsum_f32("tkgu,ukh->tkgh", p.astype(v.dtype), v)
-    if _native_serves(q, cache_k, cache_v):
-        out = _native_context(q, cache_k, cache_v, layer, meta, spec, m, l, acc)
-        return out.reshape(tokens, num_heads, head_dim), cache_k, cache_v
     block_tokens = block_pages * cache_k.shape[3]
     width = math.gcd(tokens, QUERY_BLOCK)
     # The context loop runs over token slots in the order of their cached lengths, so a block
@@ -326,18 +330,17 @@ def _native_serves(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array) -> bool
     return native_dot.active() and all(a.dtype == jnp.float32 for a in (q, cache_k, cache_v))
 
 
-def _native_context(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: jax.Array,
-                    meta: RaggedMeta, spec: AttentionSpec, m: jax.Array, l: jax.Array,
-                    acc: jax.Array) -> jax.Array:
-    """Attention [T, K, G, h] of q (scaled, [T, K, G, h]) over the step's own keys, whose online
-    softmax state is (m, l [T, K, G], acc [T, K, G, h]), and over each token's cached context,
-    which the native kernel reads in place in layer `layer` of the caches [L, K, P, S, h] (whole:
-    a slice would be copied out for the call)."""
+def _native_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: jax.Array,
+                      meta: RaggedMeta, spec: AttentionSpec) -> jax.Array:
+    """Attention [T, K, G, h] of q (scaled, [T, K, G, h]) over each token's keys up to its own
+    (`meta.key_ends`: the cached context and the step's own keys, which the step has written),
+    read by the native kernel in place in layer `layer` of the caches [L, K, P, S, h] (whole: a
+    slice would be copied out for the call). Padding tokens get zeros."""
     window = NO_WINDOW if spec.window is None else spec.window
     call = jax.ffi.ffi_call(native_dot.ATTENTION_TARGET,
                             jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(q, cache_k, cache_v, jnp.asarray(layer, jnp.int32), meta.token_pages,
-                meta.cached_lens, meta.positions, jnp.asarray(window, jnp.int32), m, l, acc,
+                meta.key_ends, meta.positions, jnp.asarray(window, jnp.int32),
                 softcap=np.float32(spec.softcap))
 
 

@@ -1,9 +1,11 @@
-"""The native kernel for the paged KV cache's context (`native/paged_attention.cc`): with native
-kernels on, the portable backend gives what its XLA loops give, on one ragged step mixing decodes,
-a prefill chunk after cached context, a fresh prompt and padding slots, over scattered pages of
-several layers, with grouped query heads, a sliding window and soft-capped scores; and inside a
-layer scan it reads the caches where they lie, never a copy. Skipped, with the reason, where no
-C++ compiler can build it."""
+"""The native attention kernel over the paged KV cache (`native/paged_attention.cc`): with native
+kernels on, the portable backend gives what its XLA path gives (the step's own keys scored
+densely, the cached context through its loops), on one ragged step mixing decodes, a prefill
+chunk after cached context, a fresh prompt and padding slots, over scattered pages of several
+layers, with grouped query heads, a sliding window and soft-capped scores; it reads the step's
+own keys from the pages the step wrote them to, so the program scores no token against the whole
+step; padding slots get zeros; and inside a layer scan it reads the caches where they lie, never
+a copy. Skipped, with the reason, where no C++ compiler can build it."""
 
 from __future__ import annotations
 
@@ -75,7 +77,7 @@ def _attend(batch, q, k, v, cache_k, cache_v, layer, window, *, native, softcap)
 
 
 @pytest.mark.parametrize("window, softcap", [(None, 0.0), (20, 2.0)])
-def test_native_context_equals_the_xla_loops(window, softcap):
+def test_native_attention_equals_the_xla_path(window, softcap):
     batch, q, k, v, cache_k, cache_v = _step()
     window = None if window is None else jnp.int32(window)
     run = {native: jax.jit(functools.partial(_attend, native=native, softcap=softcap))
@@ -85,16 +87,29 @@ def test_native_context_equals_the_xla_loops(window, softcap):
                                               jnp.int32(layer), window)
         loops, cache_k_loops, _ = run[False](batch, q, k, v, cache_k, cache_v,
                                              jnp.int32(layer), window)
-        # Padding slots see no key at all, so their outputs are any uniform mix (the loops'
-        # takes in the masked keys of their query block); only real tokens' are read.
+        # Padding slots see no key at all: the XLA path's outputs there are any uniform mix (of
+        # the masked keys of their query block), the kernel's zeros.
         real = batch.is_real > 0
         loops = np.asarray(loops)[real]
         np.testing.assert_allclose(np.asarray(native)[real], loops, rtol=0,
                                    atol=1e-5 * np.abs(loops).max())
+        np.testing.assert_array_equal(np.asarray(native)[~real], 0.0)
         np.testing.assert_array_equal(np.asarray(cache_k_native), np.asarray(cache_k_loops))
 
 
-def test_native_context_reads_the_layer_scans_caches_in_place():
+def test_native_attention_scores_no_token_against_the_whole_step():
+    """The step's own keys come from their pages: with native kernels on, the program holds no
+    [T, K, G, T] scores (every token against every slot of the step), which the XLA path
+    computes; without them it does."""
+    batch, q, k, v, cache_k, cache_v = _step()
+    scores = f"f32[{NUM_SLOTS},{KV_HEADS},{GROUPS},{NUM_SLOTS}]"
+    for native in (True, False):
+        hlo = jax.jit(functools.partial(_attend, native=native, softcap=0.0)).lower(
+            batch, q, k, v, cache_k, cache_v, jnp.int32(1), None).compile().as_text()
+        assert (scores in hlo) == (not native), native
+
+
+def test_native_attention_reads_the_layer_scans_caches_in_place():
     """Attention in every layer of a loop that carries the caches (as the layer scan does):
     the compiled program calls the kernel on them and never copies a cache."""
     batch, q, k, v, cache_k, cache_v = _step()
