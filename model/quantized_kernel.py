@@ -52,7 +52,18 @@ jax.tree_util.register_dataclass(QuantizedArray, data_fields=list(ARRAY_NAMES),
 jax.tree_util.register_dataclass(MixedArray, data_fields=["parts"], meta_fields=["format"])
 
 
-class QuantizedKernel(nnx.Module):
+class _HeldKernel(nnx.Module):
+    """What a quantized kernel and a mixed stack share: the float kernel's shape, from the arrays
+    they hold (`held`), less the layer axis while they read one layer (`layer` set)."""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the float kernel it stands for."""
+        shape = self.held().shape
+        return shape if self.layer is None else shape[1:]
+
+
+class QuantizedKernel(_HeldKernel):
     """The weights of one quantized kernel; `fmt` is static (part of the graph). Each array of
     `ARRAY_NAMES` is an attribute, None where the format has no such array.
 
@@ -70,12 +81,6 @@ class QuantizedKernel(nnx.Module):
         self.layer = nnx.data(None)
 
     @property
-    def shape(self) -> tuple[int, ...]:
-        """The shape of the float kernel it stands for."""
-        shape = self.held().shape
-        return shape if self.layer is None else shape[1:]
-
-    @property
     def axes(self) -> tuple[str | None, ...]:
         """The float kernel's logical axes (its codes carry them)."""
         return self.values.axes
@@ -90,7 +95,7 @@ class QuantizedKernel(nnx.Module):
         return _layer_of(self.held(), self.layer)
 
 
-class MixedKernel(nnx.Module):
+class MixedKernel(_HeldKernel):
     """The weights of a stack of layers' kernels of different formats (`MixedArray`): one
     `QuantizedKernel` stack per format in `parts`, and which part holds each layer (`mix`,
     static). The layer scan never slices it (`layer_stacked_kernels`): each layer sets `layer`,
@@ -102,12 +107,6 @@ class MixedKernel(nnx.Module):
         self.mix = m.format
         self.parts = nnx.List([QuantizedKernel(part, axes) for part in m.parts])
         self.layer = nnx.data(None)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The shape of the float kernel it stands for (with `layer` set, one layer's)."""
-        shape = self.held().shape
-        return shape if self.layer is None else shape[1:]
 
     @property
     def axes(self) -> tuple[str | None, ...]:
