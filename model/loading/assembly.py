@@ -119,25 +119,27 @@ def assemble_quantized(slots: list[Slot], checkpoint: Checkpoint, plan: KernelPl
     a stack whose layers' codes keep in different widths (a Q4_K_M file's Q4_K and Q6_K
     layers of `ffn_down`) as a `MixedArray`, one stack per format, so each layer spends its
     own type's bits (layers whose codes keep in one width, as every layer in int8 containers,
-    share one format that holds them all: they would save only some scale bytes). Else quantized to the plan's format from its float weights, one layer at a
-    time (so too a kernel whose blocks do not line up with its groups); None when the plan
-    leaves float weights float."""
-    kept = _kept_format(slots, checkpoint, plan, shape)
-    kept = None if kept is None else _lined_up(slots[0], kept)
+    share one format that holds them all: they would save only some scale bytes). Else
+    quantized to the plan's format from its float weights, one layer at a time (so too a kernel
+    whose blocks do not line up with its groups); None when the plan leaves float weights
+    float. Each format's block layout is computed once."""
+    kept = _lined_up(slots[0], _kept_format(slots, checkpoint, plan, shape))
     if kept is not None:
         if slots[0].layer is None:
-            return _kept_layers(slots, checkpoint, kept)
+            return _kept_layers(slots, checkpoint, *kept)
         own = [_kept_format([slot], checkpoint, plan, shape) for slot in slots]
         lined_up = {fmt: _lined_up(slots[0], fmt) for fmt in dict.fromkeys(own)}
-        formats = [lined_up[fmt] for fmt in own]
-        distinct = list(dict.fromkeys(formats))
-        if None in distinct or len({fmt.bits for fmt in distinct}) == 1:
-            return _kept_layers(slots, checkpoint, kept)  # codes of one width: one stack
-        part_of = tuple(distinct.index(fmt) for fmt in formats)
-        mix = LayerMix(formats=tuple(distinct), part_of=part_of, uniform=kept)
+        if None in lined_up.values() or len({f.bits for f, _ in lined_up.values()}) == 1:
+            return _kept_layers(slots, checkpoint, *kept)  # codes of one width: one stack
+        layouts = {}  # each part's format -> where its blocks land
+        for fmt, layout in (lined_up[fmt] for fmt in own):
+            layouts.setdefault(fmt, layout)
+        formats = tuple(layouts)
+        part_of = tuple(formats.index(lined_up[fmt][0]) for fmt in own)
+        mix = LayerMix(formats=formats, part_of=part_of, uniform=kept[0])
         return MixedArray(parts=tuple(
-            _kept_layers([slots[i] for i in mix.layers(p)], checkpoint, fmt)
-            for p, fmt in enumerate(distinct)), format=mix)
+            _kept_layers([slots[i] for i in mix.layers(p)], checkpoint, fmt, layouts[fmt])
+            for p, fmt in enumerate(formats)), format=mix)
     if plan.fmt is None:
         return None
     layers = [quantize(slot.conversion.convert(checkpoint.read(slot.source)), plan.fmt)
@@ -145,10 +147,10 @@ def assemble_quantized(slots: list[Slot], checkpoint: Checkpoint, plan: KernelPl
     return layers[0] if slots[0].layer is None else _stacked(layers)
 
 
-def _kept_layers(slots: list[Slot], checkpoint: Checkpoint, fmt: QuantFormat
-                 ) -> QuantizedArray:
-    """The slots' own blocks in `fmt` (stacked, when the slots are layers)."""
-    layout = _layout(slots[0], fmt)
+def _kept_layers(slots: list[Slot], checkpoint: Checkpoint, fmt: QuantFormat,
+                 layout: CanonicalLayout) -> QuantizedArray:
+    """The slots' own blocks in `fmt`, placed by `layout` (stacked, when the slots are
+    layers)."""
     layers = [layout.quantized(regrouped(checkpoint.read_blocks(slot.source), fmt))
               for slot in slots]
     return layers[0] if slots[0].layer is None else _stacked(layers)
@@ -160,17 +162,18 @@ def _stacked(layers: list[QuantizedArray]) -> QuantizedArray:
         layers[0].format)
 
 
-def _lined_up(slot: Slot, fmt: QuantFormat | None) -> QuantFormat | None:
+def _lined_up(slot: Slot, fmt: QuantFormat | None
+              ) -> tuple[QuantFormat, CanonicalLayout] | None:
     """`fmt`, or with float32 scales where the slot's super-blocks would split over the
-    kernel's super groups; None where its blocks do not line up with the groups at all."""
+    kernel's super groups, with where its blocks land (`_layout`); None where its blocks do not
+    line up with the groups at all."""
     if fmt is None:
         return None
-    if _layout(slot, fmt) is not None:
-        return fmt
-    if fmt.super_group is not None:
+    layout = _layout(slot, fmt)
+    if layout is None and fmt.super_group is not None:
         fmt = float_scales_format(fmt)
-        return fmt if _layout(slot, fmt) is not None else None
-    return None
+        layout = _layout(slot, fmt)
+    return None if layout is None else (fmt, layout)
 
 
 def _layout(slot: Slot, fmt: QuantFormat) -> CanonicalLayout | None:
